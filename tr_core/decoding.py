@@ -1,0 +1,221 @@
+"""The verification engine: one loop for plain decoding, Prompt Lookup and Token Recycling.
+
+The KV cache always holds every token but the last one, the *root*. Each step:
+1. the drafter proposes a draft tree whose node 0 is the root;
+2. one forward pass verifies the whole tree on top of the cache, with a 4D additive mask in which each node sees
+   the context, its ancestors and itself, and position ids = context length + depth;
+3. the longest root-to-leaf path whose tokens equal the model's greedy choice at their parent is accepted, plus the
+   bonus token (the model's choice after the path's last node);
+4. the cache keeps only the accepted path; the drafter learns from the step's logits;
+5. an event is yielded. The bonus token becomes the next root.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .events import RowUpdate, StepEvent
+from .kv import keep_accepted_path
+from .text import TokenText
+from .tree import TreeBuffers, chain_tree
+
+
+class Drafter(Protocol):
+    name: str
+    wants_prefill_logits: bool
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]: ...
+
+    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
+
+
+@dataclass
+class DecodeResult:
+    """A finished decoding, collected from its events."""
+
+    token_ids: list[int]
+    text: str
+    steps: int
+    elapsed_s: float
+    stop_reason: str | None
+    events: list[StepEvent] = field(default_factory=list)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return len(self.token_ids) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
+    """Node indices of the accepted path, root first: the longest root-to-leaf path whose every node's token equals
+    the model's prediction at its parent (the first such path in the template's leaf order on a tie).
+
+    ``tokens``, ``predicted``: (n,); returns (a + 1,) where a = accepted draft tokens.
+    """
+    if tree.size == 1:
+        return tree.paths.new_zeros(1)
+    paths = tree.paths
+    child, parent = paths[:, 1:], paths[:, :-1]
+    valid = child >= 0
+    agree = (tokens[child.clamp(min=0)] == predicted[parent.clamp(min=0)]) & valid
+    lengths = agree.long().cumprod(dim=1).sum(dim=1)
+    best = int(torch.argmax(lengths))
+    return paths[best, : int(lengths[best]) + 1]
+
+
+def _tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive 4D mask (1, 1, n, past_len + n): 0 where a node may attend, the dtype's minimum elsewhere."""
+    n = tree.size
+    mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=device)
+    mask[0, 0, :, past_len:].masked_fill_(~tree.mask.to(device), torch.finfo(dtype).min)
+    return mask
+
+
+def _is_chain(tree: TreeBuffers) -> bool:
+    return tree.size == tree.max_depth + 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _max_positions(model: PreTrainedModel) -> int | None:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@torch.inference_mode()
+def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
+           eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None) -> Iterator[StepEvent]:
+    """Greedy decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass.
+
+    Stops exactly at the first EOS (included in the output) or after ``max_new_tokens`` tokens, or when the model's
+    context is full. ``text`` turns ids into strings for the events (empty strings without it).
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    device, dtype = model.device, model.dtype
+    max_pos = _max_positions(model)
+    if max_pos is not None and len(prompt_ids) >= max_pos:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
+
+    seq = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long, device=device)
+    seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+    length = len(prompt_ids)
+    cache = DynamicCache(config=model.config)
+    started = time.perf_counter()
+
+    past_len = length - 1  # the cache holds all but the root
+    if past_len > 0:
+        ctx = seq[:past_len][None]
+        if drafter.wants_prefill_logits:
+            out = model(input_ids=ctx, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+            drafter.on_prefill(seq[:past_len], _all_logits(model, out.hidden_states[-1][0]))
+        else:
+            model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
+
+    generated: list[int] = []
+    steps = 0
+    stop_reason = None
+    while stop_reason is None:
+        t0 = time.perf_counter()
+        root = int(seq[length - 1])
+        tokens, tree = drafter.propose(seq[:length], root)
+        if max_pos is not None and past_len + tree.max_depth >= max_pos:
+            tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
+        if tree.parents.device != device:
+            tree = tree.to(device)
+        positions = (past_len + tree.depth.to(device))[None]
+        mask = None if _is_chain(tree) else _tree_mask(tree, past_len, dtype, device)
+        _sync(device)
+        t1 = time.perf_counter()
+        out = model(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
+        logits = out.logits[0]
+        _sync(device)
+        t2 = time.perf_counter()
+
+        predicted = logits.argmax(dim=-1)
+        path = accept(tokens, predicted, tree)
+        bonus = int(predicted[path[-1]])
+        new = tokens[path[1:]].tolist() + [bonus]
+        budget = max_new_tokens - len(generated)
+        for i, tok in enumerate(new[:budget]):
+            if tok in eos_ids:
+                new, stop_reason = new[: i + 1], "eos"
+                break
+        else:
+            new = new[:budget]
+            if len(new) == budget:
+                stop_reason = "max_new_tokens"
+        rows = drafter.update(tokens, logits, path)
+        keep_accepted_path(cache, past_len, tree.size, path)
+        seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
+        length += len(new)
+        past_len += path.numel()
+        generated.extend(new)
+        steps += 1
+        if stop_reason is None and max_pos is not None and past_len + 1 >= max_pos:
+            stop_reason = "context_full"
+
+        new_text = text.append(new, final=stop_reason is not None) if text else ""
+        tree_tokens = tokens.tolist()
+        event = StepEvent(
+            step=steps - 1,
+            method=drafter.name,
+            tree_name=tree.name,
+            tree_tokens=tree_tokens,
+            tree_parents=tree.parents.tolist(),
+            tree_ranks=tree.ranks.tolist(),
+            tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
+            predicted=predicted.tolist(),
+            accepted_path=path.tolist(),
+            bonus_token=bonus,
+            new_tokens=new,
+            new_text=new_text,
+            rows_updated=rows,
+            forward_ms=(t2 - t1) * 1e3,
+            total_tokens=len(generated),
+            total_steps=steps,
+            finished=stop_reason is not None,
+            stop_reason=stop_reason,
+        )
+        t3 = time.perf_counter()
+        event.overhead_ms = ((t1 - t0) + (t3 - t2)) * 1e3
+        event.elapsed_s = t3 - started
+        yield event
+
+
+def _all_logits(model: PreTrainedModel, hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Output logits for every position of ``hidden`` (L, d), computed in chunks to bound the (L, V) peak."""
+    head = model.get_output_embeddings()
+    return torch.cat([head(hidden[i:i + chunk]) for i in range(0, hidden.shape[0], chunk)])
+
+
+def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
+        eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
+        keep_events: bool = True) -> DecodeResult:
+    """Decode to the end and collect the result (with every event, unless ``keep_events`` is False)."""
+    events, ids, pieces, last = [], [], [], None
+    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text):
+        ids.extend(last.new_tokens)
+        pieces.append(last.new_text)
+        if keep_events:
+            events.append(last)
+    return DecodeResult(ids, "".join(pieces), last.total_steps, last.elapsed_s, last.stop_reason, events)

@@ -1,0 +1,99 @@
+"""Drafters: where the guessed tokens of a step come from. All three share one verification engine.
+
+A drafter has two methods, as in transformers' candidate generators:
+- ``propose(context, root)`` -> ``(tokens, tree)``: draft tokens for every node of ``tree`` (node 0 = ``root``);
+- ``update(tokens, logits, path)`` -> rows updated: learn from the verified step.
+
+Plain decoding proposes the root alone; Prompt Lookup a chain copied from an earlier n-gram match; Token Recycling
+a tree retrieved from its adjacency matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .events import RowUpdate
+from .matrix import AdjacencyMatrix
+from .tree import TreeBuffers, chain_tree
+
+
+class PlainDrafter:
+    """Plain greedy decoding: no draft, one token per forward pass."""
+
+    name = "plain"
+    wants_prefill_logits = False
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        return context[-1:].clone(), chain_tree(0)
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]:
+        return []
+
+    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        pass
+
+
+class PromptLookupDrafter(PlainDrafter):
+    """Prompt Lookup Decoding: find the latest earlier occurrence of the context's last n tokens (n from
+    ``max_ngram`` down to ``min_ngram``) and propose the up to ``max_draft`` tokens that followed it, as a chain.
+
+    >>> d = PromptLookupDrafter(max_ngram=2, max_draft=3)
+    >>> d.propose(torch.tensor([5, 6, 7, 8, 9, 5, 6]), 6)[0].tolist()
+    [6, 7, 8, 9]
+    """
+
+    name = "pld"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 10):
+        if not 1 <= min_ngram <= max_ngram or max_draft < 1:
+            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram and max_draft >= 1, got "
+                             f"{min_ngram}, {max_ngram}, {max_draft}")
+        self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if context.numel() <= n:
+                continue
+            # windows over context[:-1] start at 0 .. len-1-n: each match is followed by at least one token
+            windows = context[:-1].unfold(0, n, 1)
+            hits = (windows == context[-n:]).all(dim=1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                draft = context[start:start + self.max_draft]
+                return torch.cat([context[-1:], draft]), chain_tree(draft.numel())
+        return super().propose(context, root)
+
+
+class RecyclingDrafter(PlainDrafter):
+    """Token Recycling: retrieve a draft tree from the adjacency matrix, then overwrite the rows of every tree
+    token (accepted and rejected, root included) with the top-k of that node's output distribution."""
+
+    name = "tr"
+
+    def __init__(self, matrix: AdjacencyMatrix, tree: TreeBuffers, seed_from_prompt: bool = False):
+        if tree.max_rank >= matrix.k:
+            raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, more than the matrix's k={matrix.k} allows")
+        self.matrix, self.tree, self.seed_from_prompt = matrix, tree.to(matrix.rows.device), seed_from_prompt
+        self.wants_prefill_logits = seed_from_prompt
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        return self.matrix.retrieve(root, self.tree), self.tree
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]:
+        distinct = _first_occurrences(tokens)
+        old = self.matrix.rows[distinct].tolist()
+        self.matrix.update(tokens, logits, priority=path)
+        new = self.matrix.rows[distinct].tolist()
+        return [RowUpdate(t, o, n) for t, o, n in zip(distinct.tolist(), old, new)]
+
+    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.seed_from_prompt:
+            self.matrix.seed(ids, logits)
+
+
+def _first_occurrences(tokens: torch.Tensor) -> torch.Tensor:
+    """Distinct values of ``tokens`` in order of first occurrence: ``[5, 3, 5, 7] -> [5, 3, 7]``."""
+    uniq, inverse = torch.unique(tokens, return_inverse=True)
+    first = torch.full((uniq.numel(),), tokens.numel(), dtype=torch.long, device=tokens.device)
+    first.scatter_reduce_(0, inverse, torch.arange(tokens.numel(), device=tokens.device), reduce="amin")
+    return tokens[first.sort().values]

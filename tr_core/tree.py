@@ -1,0 +1,217 @@
+"""Draft-tree templates and the buffers derived from them.
+
+A template is a set of nodes, each named by its *index path* from the root: ``(0,)`` is the root's rank-0
+child (the most likely next token in the root's adjacency-matrix row), ``(0, 2)`` is the rank-2 child of that node,
+and so on. Templates are written compactly as a *branching map* ``{parent path: number of children}``: a node with
+``c`` children expands its top ``c`` ranks. For example
+
+    {"": 2, "0": 1}   ->  paths (0,), (1,), (0, 0)
+
+``build_tree`` turns a template, once, into the tensors the decoder needs (nodes in BFS order, root = node 0):
+
+    parents   (n,)      parent node index, -1 for the root
+    ranks     (n,)      rank of the node in its parent's matrix row (0 for the root)
+    depth     (n,)      0 for the root
+    mask      (n, n)    bool, mask[i, j] = node j is node i or one of its ancestors
+    paths     (L, D+1)  node indices of each root-to-leaf path, padded with -1
+    levels    list of (start, stop) node ranges, one per depth >= 1
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+Path_ = tuple[int, ...]
+
+
+class TreeTemplateError(ValueError):
+    """A tree template that cannot be used, with the reason."""
+
+
+# The paper's static, imbalanced tree (80 nodes + root, depth 6; 8/21/25/15/8/3 nodes per depth). More children
+# go to likelier (lower-rank) branches, and the rank-0 chain is the deepest.
+_PAPER = {
+    "": 8,
+    "0": 8, "1": 4, "2": 3, "3": 2, "4": 1, "5": 1, "6": 1, "7": 1,
+    "00": 8, "01": 3, "02": 2, "03": 1, "04": 1, "05": 1, "06": 1, "07": 1,
+    "10": 2, "11": 1, "20": 1, "30": 1, "40": 1, "50": 1,
+    "000": 5, "001": 2, "002": 1, "003": 1, "004": 1, "010": 1, "020": 1, "100": 1, "200": 1, "300": 1,
+    "0000": 3, "0001": 1, "0002": 1, "0010": 1, "0100": 1, "1000": 1,
+    "00000": 2, "00010": 1,
+}
+
+# Smaller trees for machines where verifying 81 tokens costs much more than one decoding step.
+BUILTIN_TEMPLATES: dict[str, dict[str, int]] = {
+    "paper": _PAPER,
+    # 33 nodes + root: the paper tree's first levels, trimmed.
+    "medium": {
+        "": 6, "0": 4, "1": 3, "2": 2, "3": 1, "4": 1, "5": 1,
+        "00": 3, "01": 1, "02": 1, "10": 1, "20": 1,
+        "000": 2, "001": 1, "010": 1, "100": 1,
+        "0000": 1, "0001": 1,
+        "00000": 1,
+    },
+    # 12 nodes + root.
+    "small": {"": 3, "0": 3, "1": 1, "2": 1, "00": 2, "01": 1, "000": 1},
+    # 6 nodes + root: a chain of rank-0 guesses with a few alternatives.
+    "tiny": {"": 2, "0": 2, "00": 1, "000": 1},
+    # A pure chain of rank-0 guesses, depth 4.
+    "chain4": {"": 1, "0": 1, "00": 1, "000": 1},
+}
+
+
+def _parse_key(key: str) -> Path_:
+    """``"012"`` -> ``(0, 1, 2)``; ranks above 9 are written with dots: ``"0.11"`` -> ``(0, 11)``."""
+    if key == "":
+        return ()
+    parts = key.split(".") if "." in key else list(key)
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise TreeTemplateError(f"bad node key {key!r}: expected digits such as '01' or '0.11'") from None
+
+
+def paths_from_branching(branching: dict[str, int]) -> list[Path_]:
+    """Expand a branching map into index paths, e.g. ``{"": 2, "0": 1}`` -> ``[(0,), (1,), (0, 0)]``."""
+    if "" not in branching:
+        raise TreeTemplateError("branching map has no entry for the root (key '')")
+    paths: list[Path_] = []
+    for key, count in branching.items():
+        parent = _parse_key(key)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise TreeTemplateError(f"node {key!r}: child count must be a non-negative integer, got {count!r}")
+        paths.extend(parent + (r,) for r in range(count))
+    return paths
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """A template turned into tensors (CPU, int64/bool); see the module docstring for shapes."""
+
+    name: str
+    node_paths: tuple[Path_, ...]  # BFS order, root = ()
+    parents: torch.Tensor
+    ranks: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    paths: torch.Tensor
+    levels: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        """Number of nodes including the root."""
+        return len(self.node_paths)
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.levels)
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.ranks.max()) if self.size > 1 else -1
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        return TreeBuffers(
+            self.name, self.node_paths, self.parents.to(device), self.ranks.to(device), self.depth.to(device),
+            self.mask.to(device), self.paths.to(device), self.levels,
+        )
+
+
+def build_tree(paths: list[Path_] | dict[str, int], name: str = "custom") -> TreeBuffers:
+    """Validate a template (index paths or a branching map) and build its buffers.
+
+    >>> t = build_tree({"": 2, "0": 1})
+    >>> t.parents.tolist(), t.depth.tolist(), t.paths.tolist()
+    ([-1, 0, 0, 1], [0, 1, 1, 2], [[0, 2, -1], [0, 1, 3]])
+    """
+    if isinstance(paths, dict):
+        paths = paths_from_branching(paths)
+    node_set: set[Path_] = set()
+    for p in paths:
+        if not isinstance(p, (tuple, list)) or len(p) == 0:
+            raise TreeTemplateError(f"node {p!r}: a node is a non-empty sequence of ranks")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p):
+            raise TreeTemplateError(f"node {p!r}: ranks must be non-negative integers")
+        p = tuple(p)
+        if p in node_set:
+            raise TreeTemplateError(f"node {p!r} appears twice")
+        node_set.add(p)
+    for p in node_set:
+        if len(p) > 1 and p[:-1] not in node_set:
+            raise TreeTemplateError(f"node {p!r} has no parent {p[:-1]!r} in the template")
+
+    order = [()] + sorted(node_set, key=lambda p: (len(p), p))  # BFS: by depth, then lexicographic
+    index = {p: i for i, p in enumerate(order)}
+    n = len(order)
+    parents = torch.tensor([-1] + [index[p[:-1]] for p in order[1:]], dtype=torch.long)
+    ranks = torch.tensor([0] + [p[-1] for p in order[1:]], dtype=torch.long)
+    depth = torch.tensor([len(p) for p in order], dtype=torch.long)
+
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(order):
+        for d in range(len(p) + 1):
+            mask[i, index[p[:d]]] = True
+
+    leaves = [p for p in order if not any(q[:-1] == p for q in node_set)]
+    max_depth = max(len(p) for p in order)
+    paths_t = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        for d in range(len(leaf) + 1):
+            paths_t[row, d] = index[leaf[:d]]
+
+    levels = []
+    for d in range(1, max_depth + 1):
+        members = (depth == d).nonzero().flatten()
+        levels.append((int(members[0]), int(members[-1]) + 1))
+    return TreeBuffers(name, tuple(order), parents, ranks, depth, mask, paths_t, tuple(levels))
+
+
+@lru_cache(maxsize=64)
+def chain_tree(length: int) -> TreeBuffers:
+    """A root followed by ``length`` nodes in a line (Prompt Lookup's draft; plain decoding is length 0)."""
+    return build_tree([(0,) * d for d in range(1, length + 1)], name=f"chain{length}")
+
+
+def load_template(spec: str | dict | list, search_dirs: tuple[Path, ...] = ()) -> TreeBuffers:
+    """A template by built-in name, by name of a ``<name>.json`` file in ``search_dirs``, by JSON file path,
+    or given directly as a branching map or list of index paths.
+
+    A JSON file holds ``{"branching": {...}}`` or ``{"paths": [[0], [1], [0, 0], ...]}``.
+    """
+    if isinstance(spec, (dict, list)):
+        return build_tree(spec if isinstance(spec, dict) else [tuple(p) for p in spec])
+    if spec in BUILTIN_TEMPLATES:
+        return _builtin(spec)
+    candidates = [Path(d) / f"{spec}.json" for d in search_dirs]
+    if spec.endswith(".json"):
+        candidates.insert(0, Path(spec))
+    for path in candidates:
+        if path.is_file():
+            return _from_json(path)
+    known = sorted(set(BUILTIN_TEMPLATES) | {p.stem for d in search_dirs for p in Path(d).glob("*.json")})
+    raise TreeTemplateError(f"unknown tree template {spec!r}; choose one of {', '.join(known)} or a .json file")
+
+
+@lru_cache(maxsize=None)
+def _builtin(name: str) -> TreeBuffers:
+    return build_tree(BUILTIN_TEMPLATES[name], name=name)
+
+
+def _from_json(path: Path) -> TreeBuffers:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TreeTemplateError(f"cannot read tree template {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise TreeTemplateError(f"{path}: expected a JSON object with 'branching' or 'paths'")
+    name = str(data.get("name", path.stem))
+    if "branching" in data and isinstance(data["branching"], dict):
+        return build_tree(data["branching"], name=name)
+    if "paths" in data and isinstance(data["paths"], list):
+        return build_tree([tuple(p) if isinstance(p, list) else p for p in data["paths"]], name=name)
+    raise TreeTemplateError(f"{path}: expected a JSON object with 'branching' or 'paths'")
