@@ -1,0 +1,67 @@
+"""Decode one prompt from the command line.
+
+    python -m tr_core --method tr --prompt "Write a haiku about autumn." [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .engine import METHODS, Engine, EngineConfig
+from .models import ModelLoadError
+from .tree import TreeTemplateError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tr_core", description=__doc__.splitlines()[0])
+    p.add_argument("--method", choices=METHODS, default="tr")
+    p.add_argument("--prompt", required=True, help="user prompt (the chat template is applied for chat models)")
+    p.add_argument("--model", default=None, help="hub id or local folder (default: the embedded SmolLM2-135M)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree", default="paper", help="tree template name or .json file (Token Recycling)")
+    p.add_argument("--top-k", type=int, default=8, help="candidates kept per matrix row (Token Recycling)")
+    p.add_argument("--matrix", default=None, help="hot-start matrix file (default: cold start, an empty matrix)")
+    p.add_argument("--seed-prompt", action="store_true", help="seed the matrix from the prompt's prefill logits")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
+    p.add_argument("--trace", default=None, help="write every step event to this JSON file")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = p.parse_args(argv)
+
+    try:
+        config = EngineConfig(
+            method=args.method, tree=args.tree, top_k=args.top_k, matrix_path=args.matrix,
+            seed_from_prompt=args.seed_prompt,
+        )
+        engine = Engine.load(args.model, config)
+        result = engine.generate(args.prompt, args.max_new_tokens, chat=not args.no_chat_template)
+    except (ModelLoadError, TreeTemplateError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.trace:
+        Path(args.trace).write_text(json.dumps([e.to_dict() for e in result.events]))
+    summary = {
+        "method": args.method,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "steps": result.steps,
+        "mean_accepted_tokens": round(result.mean_accepted_tokens, 4),
+        "tokens_per_s": round(result.tokens_per_s, 3),
+        "elapsed_s": round(result.elapsed_s, 4),
+        "stop_reason": result.stop_reason,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(result.text)
+        print(f"\n[{args.method}] {len(result.token_ids)} tokens in {result.steps} steps, "
+              f"mean accepted tokens {result.mean_accepted_tokens:.2f}, {result.tokens_per_s:.1f} tokens/s, "
+              f"stopped by {result.stop_reason}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
