@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from transformers.utils import logging as transformers_logging
+
 from .engine import METHODS, Engine, EngineConfig
 from .models import ModelLoadError
 from .tree import TreeTemplateError
@@ -30,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
 
+    transformers_logging.disable_progress_bar()
     try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
         config = EngineConfig(
             method=args.method, tree=args.tree, top_k=args.top_k, matrix_path=args.matrix,
             seed_from_prompt=args.seed_prompt,

@@ -20,7 +20,7 @@ from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
-from .tree import load_template
+from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 TREE_DIRS = (ASSETS_DIR / "trees",)
@@ -42,6 +42,13 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
+        tree = self.tree_buffers()
+        if tree.max_rank >= self.top_k:
+            raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, which needs top_k >= "
+                             f"{tree.max_rank + 1}; top_k is {self.top_k}")
+
+    def tree_buffers(self) -> TreeBuffers:
+        return load_template(self.tree, TREE_DIRS)
 
 
 class Engine:
@@ -50,10 +57,7 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.config = config
-        self.tree = load_template(config.tree, TREE_DIRS)
-        if self.tree.max_rank >= config.top_k:
-            raise ValueError(f"tree {self.tree.name!r} uses rank {self.tree.max_rank}, which needs top_k >= "
-                             f"{self.tree.max_rank + 1}; top_k is {config.top_k}")
+        self.tree = config.tree_buffers()
         self.matrix = self.fresh_matrix()
 
     @classmethod

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random models (float64, built from a config, no download) and the embedded model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Before transformers is imported (the hub library reads these once): tests never reach the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+VOCAB = 256
+
+
+def tiny_config(arch: str, vocab: int = VOCAB):
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                          bos_token_id=None, eos_token_id=None)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0, dtype=torch.float64, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    config = tiny_config(arch, vocab)
+    config.initializer_range = 0.2  # sharper random distributions: fewer trivial repetition loops
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
+def tiny(request):
+    return request.param, tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real embedded model (SmolLM2-135M-Instruct, fp32), loaded once per test session."""
+    from tr_core.models import load_model
+
+    return load_model(None, dtype=torch.float32)
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding by transformers' own generate(): the reference every method must match."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,78 @@
+"""The command line, end to end in a subprocess, on a tiny random model saved as a local folder."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, reference_greedy, tiny_config
+from tr_core.__main__ import main
+from tr_core.models import embedded_model_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with the embedded model's tokenizer (and chat template), saved like a hub model."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_folder())
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab=len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+def cli(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "tr_core", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def test_json_output_for_every_method(tiny_folder, tmp_path):
+    folder, model, tokenizer = tiny_folder
+    prompt = "Name three colours."
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    outputs = {}
+    for method in ("plain", "pld", "tr"):
+        trace = tmp_path / f"{method}.json"
+        proc = cli("--method", method, "--prompt", prompt, "--model", str(folder), "--max-new-tokens", "20",
+                   "--tree", "small", "--top-k", "4", "--json", "--trace", str(trace))
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert {"text", "token_ids", "steps", "mean_accepted_tokens", "tokens_per_s"} <= set(out)
+        assert len(json.loads(trace.read_text())) == out["steps"]
+        outputs[method] = out["token_ids"]
+    want = reference_greedy(model, list(ids), 20)
+    eos = tokenizer.eos_token_id
+    if eos in want:
+        want = want[: want.index(eos) + 1]
+    assert outputs["plain"] == outputs["pld"] == outputs["tr"] == want
+
+
+def test_text_output_reports_the_figures(tiny_folder):
+    folder, _, _ = tiny_folder
+    proc = cli("--prompt", "Hi", "--model", str(folder), "--max-new-tokens", "8", "--tree", "tiny")
+    assert proc.returncode == 0, proc.stderr
+    assert "mean accepted tokens" in proc.stderr and "tokens/s" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-org/no-such-model"], "could not load model id 'no-such-org/no-such-model'"),
+    (["--model", "/nonexistent/folder"], "could not load"),
+    (["--tree", "no-such-tree"], "unknown tree template"),
+    (["--top-k", "4"], "needs top_k >= 8"),  # the paper tree uses ranks up to 7
+    (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+])
+def test_bad_input_gives_one_clear_error(tiny_folder, args, message, capsys):
+    folder, _, _ = tiny_folder
+    base = ["--prompt", "Hi"] + ([] if "--model" in args else ["--model", str(folder)])
+    assert main(base + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1  # one line, no traceback

@@ -1,0 +1,84 @@
+"""Hand-checked single steps: matrix update, cache compaction, and the events' account of a step."""
+
+import json
+
+import torch
+from transformers import DynamicCache
+
+from conftest import VOCAB, tiny_model
+from tr_core import AdjacencyMatrix, RecyclingDrafter, StepEvent, build_tree, decode
+from tr_core.decoding import _tree_mask
+from tr_core.kv import keep_accepted_path
+
+PROMPT = [11, 42, 7, 99, 3, 250, 18]
+
+
+def logits_from_scratch(model, ids):
+    """Next-token logits after ``ids``: a plain forward over the whole sequence, no cache, no tree."""
+    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def distinct_matrix(k=3):
+    # every row holds distinct tokens, and the small tree below never draws a token twice
+    m = AdjacencyMatrix(VOCAB, k)
+    for t in range(VOCAB):
+        m.rows[t] = torch.tensor([(t * 7 + 1 + r * 31) % VOCAB for r in range(k)], dtype=torch.int32)
+    return m
+
+
+def test_rows_after_one_step_equal_topk_of_each_nodes_logits():
+    model = tiny_model("llama", seed=1)
+    tree = build_tree({"": 3, "0": 2, "1": 1, "00": 1})
+    m = distinct_matrix()
+    event = next(decode(model, PROMPT, RecyclingDrafter(m, tree), max_new_tokens=32))
+    tokens = event.tree_tokens
+    assert len(set(tokens)) == len(tokens)
+    for i, path in enumerate(tree.node_paths):
+        # ids from the root down to node i
+        chain, j = [], i
+        while j >= 0:
+            chain.append(tokens[j])
+            j = event.tree_parents[j]
+        ids = PROMPT[:-1] + chain[::-1]
+        want = torch.topk(logits_from_scratch(model, ids), m.k).indices.tolist()
+        assert m.rows[tokens[i]].tolist() == want, f"row of node {i} {path}"
+        assert event.predicted[i] == want[0]
+    updated = {r.token: r for r in event.rows_updated}
+    assert sorted(updated) == sorted(tokens)
+    assert all(updated[t].new == m.rows[t].tolist() for t in tokens)
+    # the new tokens are the accepted drafts plus the bonus token, and the bonus is the model's choice
+    path = event.accepted_path
+    assert event.new_tokens == [tokens[n] for n in path[1:]] + [event.bonus_token]
+    assert event.bonus_token == event.predicted[path[-1]]
+    assert all(tokens[c] == event.predicted[p] for p, c in zip(path, path[1:]))
+
+
+def test_cache_after_compaction_matches_a_forward_from_scratch():
+    model = tiny_model("qwen2", seed=2)
+    tree = build_tree({"": 3, "0": 2, "1": 2, "10": 1})
+    tokens = torch.tensor([PROMPT[-1], 5, 6, 7, 8, 9, 10, 12, 13])
+    assert tokens.numel() == tree.size
+    for path in ([0], [0, 2], [0, 2, 6], [0, 2, 6, 8], [0, 1, 4], [0, 3]):
+        cache = DynamicCache(config=model.config)
+        past = len(PROMPT) - 1
+        model(input_ids=torch.tensor([PROMPT[:-1]]), cache=cache, use_cache=True)
+        model(input_ids=tokens[None], position_ids=(past + tree.depth)[None],
+              attention_mask=_tree_mask(tree, past, model.dtype, model.device), cache=cache, use_cache=True)
+        keep_accepted_path(cache, past, tree.size, torch.tensor(path))
+        assert cache.get_seq_length() == past + len(path)
+        kept = tokens[path].tolist()
+        nxt = 77
+        got = model(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[past + len(path)]]),
+                    cache=cache, use_cache=True).logits[0, -1]
+        want = logits_from_scratch(model, PROMPT[:-1] + kept + [nxt])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_events_survive_a_json_round_trip():
+    model = tiny_model("gpt2", seed=3)
+    events = list(decode(model, PROMPT, RecyclingDrafter(distinct_matrix(8), build_tree({"": 4, "0": 2})), 16))
+    assert events[-1].finished and events[-1].total_tokens == 16
+    for e in events:
+        back = StepEvent.from_dict(json.loads(json.dumps(e.to_dict())))
+        assert back == e
+    assert all(isinstance(r.old, list) and len(r.new) == 8 for r in events[0].rows_updated)

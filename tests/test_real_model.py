@@ -1,0 +1,45 @@
+"""The embedded model (SmolLM2-135M-Instruct, fp32) on Spec-Bench prompts: Token Recycling with the paper tree
+against plain greedy decoding."""
+
+import torch
+
+from tr_core import AdjacencyMatrix, PlainDrafter, RecyclingDrafter, TokenText, encode_prompt, eos_token_ids, load_template, run
+from tr_core.spec_bench import load_questions, stratified
+
+NEW_TOKENS = 48
+NEAR_TIE = 1e-3  # fp32 logit gap under which a batched and a one-token forward may pick different argmaxes
+
+
+def test_paper_tree_on_spec_bench_prompts(embedded):
+    model, tokenizer = embedded
+    questions = [q for q in stratified(load_questions(), 1) if q.category != "summarization"][:5]
+    assert len(questions) == 5
+    eos = eos_token_ids(model, tokenizer)
+    matrix = AdjacencyMatrix(model.get_output_embeddings().weight.shape[0], 8)  # hot start across prompts
+    identical, tokens, steps = 0, 0, 0
+    for q in questions:
+        ids = encode_prompt(tokenizer, q.prompt)
+        plain = run(model, ids, PlainDrafter(), NEW_TOKENS, eos)
+        tr = run(model, ids, RecyclingDrafter(matrix, load_template("paper")), NEW_TOKENS, eos, TokenText(tokenizer))
+        identical += tr.token_ids == plain.token_ids
+        tokens += len(tr.token_ids)
+        steps += tr.steps
+        # every accepted draft token and every bonus token is the verifier's argmax at its parent node
+        for e in tr.events:
+            path = e.accepted_path
+            assert all(e.tree_tokens[c] == e.predicted[p] for p, c in zip(path, path[1:]))
+            assert e.bonus_token == e.predicted[path[-1]]
+        # and, checked independently, each output token is the argmax of a from-scratch forward over the whole
+        # sequence, up to fp32 near-ties
+        seq = torch.tensor([ids + tr.token_ids])
+        with torch.inference_mode():
+            logits = model(input_ids=seq).logits[0, len(ids) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(tr.token_ids)[:, None])[:, 0]
+        gap = logits.max(dim=1).values - chosen
+        assert float(gap.max()) < NEAR_TIE, f"question {q.question_id}: a token {float(gap.max()):.2e} below the max"
+        assert tr.text == tokenizer.decode(tr.token_ids)
+    mat = tokens / steps
+    print(f"\nembedded model, paper tree, hot start over {len(questions)} Spec-Bench prompts, {NEW_TOKENS} tokens: "
+          f"mean accepted tokens {mat:.2f}, identical to plain {identical}/{len(questions)}")
+    assert identical >= 4
+    assert mat > 1.2
