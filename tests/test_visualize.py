@@ -1,0 +1,246 @@
+"""Figures drawn from the recorded traces: each test checks what a figure holds against the events themselves,
+or against a reference computed here another way (networkx ancestors for the mask, Counter for the histogram)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from visualize import (accepted_length_figure, label, load_trace, mask_figure, matrix_figure, race_figure,  # noqa: E402
+                       shown_rows, speedup_figure, text_lookup, token_text_map, tree_animation, tree_figure,
+                       tree_layout, visible)
+from visualize.matrix_fig import ACCEPTED, KEPT, REPLACED  # noqa: E402
+from visualize.palette import BLUE, NODE_ROLES  # noqa: E402
+from tr_core.events import RowUpdate, StepEvent  # noqa: E402
+from visualize.tree_layout import BONUS_Y, ROLES  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures"
+PAPER = load_trace(FIXTURES / "trace_paper.json")
+SMALL = load_trace(FIXTURES / "trace_small.json")
+ROLE_NAMES = {NODE_ROLES[r][0]: r for r in ROLES}
+
+
+def hand_event(**changes):
+    """A 5-node tree by hand: root 'a' -> ' b' (rank 0) -> '\\n' (rank 0), ' b' -> 'c' (rank 1); 'a' -> 'd'."""
+    event = StepEvent(
+        step=3, method="tr", tree_name="hand", tree_tokens=[10, 11, 12, 13, 14], tree_parents=[-1, 0, 0, 1, 1],
+        tree_ranks=[0, 0, 1, 0, 1], tree_text=["a", " b", "d", "\n", "c"], predicted=[11, 13, 99, 15, 16],
+        accepted_path=[0, 1, 3], bonus_token=15, new_tokens=[11, 13, 15], new_text=" b\n e",
+        rows_updated=[RowUpdate(10, [11, 12], [11, 40]), RowUpdate(11, [13, 14], [13, 99]),
+                      RowUpdate(13, [50, 51], [15, 51])])
+    return replace(event, **changes)
+
+
+def node_points(fig) -> dict[str, list[tuple[float, float, str]]]:
+    """``{role: [(x, y, text), ...]}`` from a tree figure's node traces (not its legend keys)."""
+    out = {}
+    for trace in fig.data:
+        if trace.mode == "markers+text":
+            out[ROLE_NAMES[trace.name]] = list(zip(trace.x, trace.y, trace.text))
+    return out
+
+
+# --- token text ----------------------------------------------------------------------------------------------------
+
+def test_whitespace_is_visible_and_labels_are_short_and_escaped():
+    assert visible(" a\n\tb\r") == "␣a↵⇥b⇤"
+    assert label(" engineering") == "␣engineer…"
+    assert label("<|im_end|>") == "&lt;|im_end|&gt;"
+
+
+def test_token_text_comes_from_the_trace_or_the_caller():
+    known = token_text_map(SMALL)
+    assert known[12985] == " marvel" and known[30] == "."
+    # A bonus token's text is what new_text holds after the accepted drafts; it is also the next step's root.
+    for e, nxt in zip(SMALL, SMALL[1:]):
+        assert known[e.bonus_token] == nxt.tree_text[0]
+    assert text_lookup(SMALL)(10 ** 6) == "#1000000"
+    assert text_lookup(SMALL, lambda t: f"<{t}>")(30) == "<30>"
+
+
+# --- draft tree ----------------------------------------------------------------------------------------------------
+
+def test_layout_of_the_paper_tree_keeps_every_label_apart():
+    e = PAPER[0]
+    pos = tree_layout(tuple(e.tree_parents))
+    assert Counter(pos.x) == {0: 1, 1: 8, 2: 21, 3: 25, 4: 15, 5: 8, 6: 3}  # x is the depth
+    assert pos.rows == sum(1 for i in range(81) if i not in e.tree_parents) == 40  # one row per leaf
+    assert len(set(zip(pos.x, pos.y))) == 81  # no two nodes (hence labels) at one place
+    for i, p in enumerate(e.tree_parents[1:], start=1):
+        assert pos.y[i] <= pos.y[p]  # children never above their parent: edges only go right and down
+    assert all(tree_layout(tuple(x.tree_parents)) is pos for x in PAPER)  # stable across steps
+
+
+@pytest.mark.parametrize("event", PAPER + SMALL, ids=lambda e: f"{e.tree_name}-{e.step}")
+def test_tree_figure_shows_the_step(event):
+    fig = tree_figure(event)
+    pts = node_points(fig)
+    pos = tree_layout(tuple(event.tree_parents))
+    assert sum(len(v) for v in pts.values()) == len(event.tree_tokens) + 1  # every node, plus the bonus node
+    at = {(x, y): text for v in pts.values() for x, y, text in v}
+    for i, text in enumerate(event.tree_text):
+        assert at[(pos.x[i], pos.y[i])] == label(text)
+    expect = {
+        "root": [0], "accepted": event.accepted_path[1:],
+        "broke": [i for i, p in enumerate(event.tree_parents) if p == event.accepted_path[-1]],
+    }
+    for role, nodes in expect.items():
+        assert sorted((x, y) for x, y, _ in pts[role]) == sorted((pos.x[i], pos.y[i]) for i in nodes), role
+    (bx, by, btext), = pts["bonus"]
+    assert (bx, by) == (pos.x[event.accepted_path[-1]] + 1, BONUS_Y)
+    assert btext == label(text_lookup([event])(event.bonus_token))
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert sorted(legend) == sorted(ROLE_NAMES)  # every role in the legend, even one with no node this step
+    blue = [t.name for t in fig.data if t.mode == "markers+text" and t.marker.color == BLUE]
+    assert blue == [NODE_ROLES["accepted"][0]]  # the accepted colour is the accepted nodes' only
+
+
+def test_tree_hover_names_rank_depth_parent_row_and_prediction():
+    fig = tree_figure(hand_event())
+    hover = {t.name: t.hovertext for t in fig.data if t.mode == "markers+text"}
+    accepted = hover[NODE_ROLES["accepted"][0]]
+    assert "'↵'" in accepted[1] and "depth 2" in accepted[1]
+    assert "rank 0 in the matrix row of '␣b'" in accepted[1] and "model's next token here: '␣e'" in accepted[1]
+    assert hover[NODE_ROLES["broke"][0]] is None or len(hover[NODE_ROLES["broke"][0]]) == 0  # '\n' is a leaf
+    assert [h.split("</b>")[0] for h in hover[NODE_ROLES["rejected"][0]]] == ["<b>'d'", "<b>'c'"]
+    assert "bonus token '␣e'" in hover[NODE_ROLES["bonus"][0]][0]
+
+
+def test_animation_has_one_frame_per_step_and_frames_follow_the_events():
+    fig = tree_animation(SMALL)
+    assert len(fig.frames) == len(SMALL) == len(fig.layout.sliders[0].steps)
+    assert [f.name for f in fig.frames] == [str(e.step) for e in SMALL]
+    accepted_index = len(fig.data) - len(ROLES) + ROLES.index("accepted")
+    n_edges = sum(1 for p in SMALL[0].tree_parents if p >= 0)
+    assert fig.data[0].x.count(None) == n_edges  # one template: its grey edges are a trace no frame touches
+    for frame, e in zip(fig.frames, SMALL):
+        by_trace = dict(zip(frame.traces, frame.data))
+        assert 0 not in by_trace
+        assert list(by_trace[accepted_index].ids) == [str(i) for i in e.accepted_path[1:]]  # points keyed by node
+        assert f"step {e.step} " in frame.layout.title.text
+        accepted_edges, bonus_link = frame.layout.shapes
+        assert accepted_edges.path.count("M") == len(e.accepted_path) - 1 or not accepted_edges.visible
+        assert bonus_link.line.dash == "dash"
+
+
+def test_animation_of_trees_that_change_shape_redraws_their_edges():
+    chains = [hand_event(step=k, tree_tokens=list(range(10, 11 + k)), tree_parents=list(range(-1, k)),
+                         tree_ranks=[0] * (k + 1), tree_text=["x"] * (k + 1), predicted=list(range(20, 21 + k)),
+                         accepted_path=[0], bonus_token=20, new_tokens=[20], rows_updated=[]) for k in (1, 3, 2)]
+    fig = tree_animation(chains)
+    assert fig.data[0].x == ()  # no static edges
+    for frame, e in zip(fig.frames, chains):
+        tree, _, _ = frame.layout.shapes
+        assert tree.path.count("M") == len(e.tree_tokens) - 1
+
+
+def test_a_300_step_animation_builds_fast():
+    events = [replace(PAPER[i % len(PAPER)], step=i) for i in range(300)]
+    tree_animation(events[:2])  # warm caches and imports
+    start = time.perf_counter()
+    fig = tree_animation(events)
+    seconds = time.perf_counter() - start
+    print(f"\n300-step animation of the 81-node tree built in {seconds:.2f} s")
+    assert len(fig.frames) == 300
+    assert seconds < 3.0  # about 0.8 s on a 2-core machine; generous for noisy neighbours
+
+
+# --- adjacency matrix ----------------------------------------------------------------------------------------------
+
+def test_drafts_are_read_from_the_rows_before_the_update():
+    for e in PAPER + SMALL:
+        old = {r.token: r.old for r in e.rows_updated}
+        for i in range(1, len(e.tree_tokens)):
+            assert old[e.tree_tokens[e.tree_parents[i]]][e.tree_ranks[i]] == e.tree_tokens[i]
+
+
+@pytest.mark.parametrize("event", PAPER[:8] + SMALL, ids=lambda e: f"{e.tree_name}-{e.step}")
+def test_heatmap_cells_are_the_rows_of_the_event(event):
+    fig = matrix_figure(event, max_rows=12)
+    rows = shown_rows(event, 12)
+    assert len(rows) == min(12, len(event.rows_updated))
+    path_tokens = [event.tree_tokens[i] for i in event.accepted_path]
+    assert [r.token for r in rows[:len(set(path_tokens))]] == list(dict.fromkeys(path_tokens))[:12]
+    before, after = fig.data[0], fig.data[1]
+    assert [list(r) for r in before.customdata] == [r.old for r in rows]
+    assert [list(r) for r in after.customdata] == [r.new for r in rows]
+    text = text_lookup([event])
+    assert [list(r) for r in after.text] == [[label(text(t), 8) for t in r.new] for r in rows]
+
+
+def test_heatmap_colours_kept_replaced_and_accepted_cells():
+    fig = matrix_figure(hand_event())
+    # rows: 'a' [11, 12] -> [11, 40]; ' b' [13, 14] -> [13, 99]; '\n' [50, 51] -> [15, 51]
+    assert [list(r) for r in fig.data[0].z] == [[ACCEPTED, REPLACED], [ACCEPTED, REPLACED], [REPLACED, KEPT]]
+    assert [list(r) for r in fig.data[1].z] == [[ACCEPTED, REPLACED], [ACCEPTED, REPLACED], [ACCEPTED, KEPT]]
+
+
+def test_heatmap_of_a_step_without_rows_says_so():
+    fig = matrix_figure(hand_event(rows_updated=[], method="pld"))
+    assert "no adjacency-matrix rows" in fig.layout.annotations[0].text
+
+
+# --- tree attention mask -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("event", [PAPER[1], SMALL[15], hand_event()], ids=["paper", "small", "hand"])
+def test_mask_is_the_ancestor_mask(event):
+    graph = nx.DiGraph((p, i) for i, p in enumerate(event.tree_parents) if p >= 0)
+    n = len(event.tree_parents)
+    reference = [[j == i or j in nx.ancestors(graph, i) for j in range(n)] for i in range(n)]
+    fig = mask_figure(event)
+    assert [[c > 0 for c in row] for row in fig.data[0].z] == reference
+    assert list(fig.layout.yaxis.ticktext) == [f"{i} {label(t)}" for i, t in enumerate(event.tree_text)]
+
+
+# --- race and speed ------------------------------------------------------------------------------------------------
+
+def test_race_lines_follow_time_and_tokens():
+    fig = race_figure({"tr": SMALL, "tr-paper": PAPER})
+    assert [t.name.split(":")[0] for t in fig.data] == ["tr", "tr-paper"]
+    assert list(fig.data[0].x) == [0.0] + [e.elapsed_s for e in SMALL]
+    assert list(fig.data[0].y) == [0] + [e.total_tokens for e in SMALL]
+    assert fig.data[0].line.dash != fig.data[1].line.dash  # lines differ in shape, not colour only
+
+
+def test_accepted_length_histogram_counts_steps():
+    fig = accepted_length_figure({"tr": PAPER, "small": SMALL})
+    for trace, events in zip(fig.data, [PAPER, SMALL]):
+        counts = Counter(len(e.accepted_path) for e in events)
+        assert dict(zip(trace.x, trace.customdata)) == counts
+        assert sum(trace.y) == pytest.approx(100)
+
+
+def test_speedup_bars_per_category():
+    def numbers(speedup, accepted, **extra):
+        return dict(tokens_per_s=10 * speedup, speedup=speedup, mean_accepted_tokens=accepted, **extra)
+
+    bench = {"config": {}, "methods": {
+        "plain": numbers(1.0, 1.0, identical=True, questions=4, by_category={"math": numbers(1.0, 1.0)}),
+        "tr": numbers(1.9, 2.5, identical=False, questions=4,
+                      by_category={"math": numbers(2.2, 2.8), "writing": numbers(1.5, 2.0)}),
+    }}
+    fig = speedup_figure(bench)
+    plain_speed, plain_acc, tr_speed, tr_acc = fig.data
+    assert list(tr_speed.x) == ["all", "math", "writing"]
+    assert list(tr_speed.y) == [1.9, 2.2, 1.5] and list(tr_acc.y) == [2.5, 2.8, 2.0]
+    assert list(plain_speed.y) == [1.0, 1.0, None]  # plain reported no 'writing' category
+    assert "differs" in tr_speed.name and "differs" not in plain_speed.name
+
+
+# --- layering ------------------------------------------------------------------------------------------------------
+
+def test_visualize_draws_a_trace_without_torch():
+    code = ("import sys, visualize; e = visualize.load_trace('tests/fixtures/trace_small.json');"
+            " visualize.tree_figure(e[0]); visualize.matrix_figure(e[0]);"
+            " assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

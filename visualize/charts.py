@@ -1,0 +1,121 @@
+"""Race and speed: methods side by side.
+
+    race_figure({"plain": events_a, "tr": events_b})     tokens produced against wall-clock time
+    speedup_figure(benchmark)                             speedup and mean accepted tokens per category
+    accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each step produced
+
+``benchmark`` is the benchmark's JSON::
+
+    {"methods": {"tr": {"tokens_per_s": 41.2, "speedup": 1.9, "mean_accepted_tokens": 2.6, "identical": true,
+                        "questions": 80, "by_category": {"writing": {<the same keys>}, ...}}, ...},
+     "config": {...}}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from html import escape
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .palette import BAR_PATTERNS, GREY, method_style
+
+if TYPE_CHECKING:
+    from tr_core.events import StepEvent
+
+ALL = "all"  # the category name for a method's overall numbers
+
+
+def race_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
+    """One step line per method from (0 s, 0 tokens) through each step's ``(elapsed_s, total_tokens)``; a method's
+    tokens appear when its step ends, hence the steps."""
+    fig = go.Figure()
+    for index, (method, events) in enumerate(runs.items()):
+        colour, dash = method_style(method, index)
+        last = events[-1] if events else None
+        name = f"{method}: {last.tokens_per_s:.1f} tok/s" if last else method
+        fig.add_trace(go.Scatter(
+            x=[0.0] + [e.elapsed_s for e in events], y=[0] + [e.total_tokens for e in events], name=name,
+            mode="lines", line=dict(color=colour, dash=dash, width=3, shape="hv"),
+            customdata=[0] + [e.step for e in events],
+            hovertemplate=f"{escape(method)}<br>step %{{customdata}}<br>%{{y}} tokens at %{{x:.2f}} s<extra></extra>"))
+    fig.update_layout(title="tokens produced against wall-clock time", xaxis_title="seconds",
+                      yaxis_title="tokens produced", height=420, plot_bgcolor="white", hovermode="closest",
+                      xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
+                      yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0), margin=dict(l=60, r=20, t=80, b=50))
+    return fig
+
+
+def categories(benchmark: dict) -> list[str]:
+    """``"all"`` followed by every category any method reports, sorted: ``["all", "coding", "math", ...]``."""
+    found = {c for m in benchmark["methods"].values() for c in m.get("by_category", {})}
+    return [ALL] + sorted(found)
+
+
+def _metric(method: dict, category: str, key: str) -> float | None:
+    source = method if category == ALL else method.get("by_category", {}).get(category)
+    return None if source is None else source.get(key)
+
+
+def speedup_figure(benchmark: dict) -> go.Figure:
+    """Grouped bars per category: speedup over plain decoding (left) and mean accepted tokens per step (right).
+    Traces come in pairs per method (speedup, then accepted), in the order of ``benchmark["methods"]``."""
+    cats = categories(benchmark)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
+                        subplot_titles=("speedup over plain greedy decoding", "mean tokens per forward pass"))
+    for index, (method, numbers) in enumerate(benchmark["methods"].items()):
+        colour, _ = method_style(method, index)
+        pattern = dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white", solidity=0.3)
+        # A method whose text differs from plain decoding is not lossless: say so where the speed is read.
+        name = method if numbers.get("identical", True) else f"{method} (output differs from plain!)"
+        for col, key, fmt in [(1, "speedup", "{:.2f}×"), (2, "mean_accepted_tokens", "{:.2f}")]:
+            values = [_metric(numbers, c, key) for c in cats]
+            tok_s = [_metric(numbers, c, "tokens_per_s") for c in cats]
+            fig.add_trace(go.Bar(
+                x=cats, y=values, name=name, legendgroup=method, showlegend=col == 1,
+                marker=dict(color=colour, pattern=pattern, line=dict(color=colour, width=1)),
+                text=[fmt.format(v) if v is not None else "" for v in values], textposition="outside",
+                customdata=[f"{t:.1f}" if t is not None else "?" for t in tok_s],
+                hovertemplate=f"{escape(method)}, %{{x}}<br>{key} %{{y:.2f}}<br>%{{customdata}} tok/s<extra></extra>"),
+                row=1, col=col)
+    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"), row=1, col=1)  # plain decoding itself
+    questions = {m: n.get("questions") for m, n in benchmark["methods"].items()}
+    height = 460
+    fig.update_layout(barmode="group", height=height, plot_bgcolor="white", margin=dict(l=50, r=20, t=120, b=60),
+                      title=dict(text=f"benchmark ({max((q or 0) for q in questions.values())} questions)",
+                                 font=dict(size=14), y=1 - 12 / height, yanchor="top"),
+                      legend=dict(orientation="h", yref="container", y=1 - 42 / height, yanchor="top", x=0))
+    fig.update_yaxes(gridcolor="#EEEEEE", rangemode="tozero")
+    return fig
+
+
+def accepted_lengths(events: Sequence[StepEvent]) -> dict[int, int]:
+    """``{len(accepted_path): number of steps}``, e.g. ``{1: 12, 4: 1}``. A step that accepted no draft has
+    ``accepted_path == [0]``, length 1: it still produced its bonus token."""
+    return dict(sorted(Counter(len(e.accepted_path) for e in events).items()))
+
+
+def accepted_length_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
+    """A histogram per method of ``len(accepted_path)`` over its steps, as a share of that method's steps so that
+    runs of different lengths compare; the counts are in ``customdata`` and in the hover."""
+    fig = go.Figure()
+    for index, (method, events) in enumerate(runs.items()):
+        colour, _ = method_style(method, index)
+        counts = accepted_lengths(events)
+        total = max(1, len(events))
+        fig.add_trace(go.Bar(
+            x=list(counts), y=[100 * c / total for c in counts.values()], customdata=list(counts.values()),
+            name=f"{method} (mean {sum(k * c for k, c in counts.items()) / total:.2f})",
+            marker=dict(color=colour, pattern=dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white",
+                                                   solidity=0.3)),
+            hovertemplate=f"{escape(method)}: %{{customdata}} steps (%{{y:.0f}}%) produced %{{x}} tokens"
+                          "<extra></extra>"))
+    fig.update_layout(
+        barmode="group", height=400, plot_bgcolor="white", margin=dict(l=60, r=20, t=80, b=60),
+        title="tokens per step: accepted draft tokens + the bonus token (= len(accepted_path))",
+        xaxis=dict(title="tokens produced in one step", dtick=1), yaxis=dict(title="% of steps", gridcolor="#EEEEEE"),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    return fig

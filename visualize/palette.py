@@ -1,0 +1,62 @@
+"""Colours and marker shapes, one place for every figure.
+
+Colours are Okabe & Ito's palette (distinguishable with the common colour-vision deficiencies), and each node
+role in the draft tree also has its own marker shape, so the story survives a grey-scale print. The same role keeps
+its colour across figures: blue is always the accepted path, orange the bonus token.
+"""
+
+from __future__ import annotations
+
+# Okabe & Ito (2008), "Color Universal Design".
+BLACK = "#000000"
+ORANGE = "#E69F00"
+SKY_BLUE = "#56B4E9"
+BLUISH_GREEN = "#009E73"
+YELLOW = "#F0E442"
+BLUE = "#0072B2"
+VERMILLION = "#D55E00"
+REDDISH_PURPLE = "#CC79A7"
+GREY = "#BBBBBB"
+LIGHT_GREY = "#E4E4E4"
+
+# Draft-tree node roles: (legend name, fill colour, marker symbol, marker size).
+NODE_ROLES: dict[str, tuple[str, str, str, int]] = {
+    "root": ("root (last token)", BLACK, "square", 13),
+    "accepted": ("accepted path", BLUE, "circle", 13),
+    "bonus": ("bonus token (model's own)", ORANGE, "star", 17),
+    "broke": ("rejected where the path stopped", VERMILLION, "x", 12),
+    "rejected": ("rejected", GREY, "circle-open", 9),
+}
+
+# Adjacency-matrix cells: (legend name, colour), in the order of their code in the heatmap.
+CELL_ROLES: list[tuple[str, str]] = [
+    ("kept (same token, same rank)", LIGHT_GREY),
+    ("replaced by this step", YELLOW),
+    ("on the accepted path", SKY_BLUE),
+]
+
+# Decoding methods in charts: colour and line dash, so lines differ in shape as well as colour.
+METHOD_STYLE: dict[str, tuple[str, str]] = {
+    "plain": (BLACK, "dot"),
+    "pld": (VERMILLION, "dash"),
+    "tr": (BLUE, "solid"),
+}
+_SPARE = [(BLUISH_GREEN, "dashdot"), (REDDISH_PURPLE, "longdash"), (ORANGE, "longdashdot"), (SKY_BLUE, "solid")]
+BAR_PATTERNS = ["", "/", ".", "x", "\\", "+", "-", "|"]
+
+
+def method_style(method: str, index: int = 0) -> tuple[str, str]:
+    """``(colour, dash)`` for a method; unknown names take spare styles by ``index`` so two never share one."""
+    return METHOD_STYLE.get(method, _SPARE[index % len(_SPARE)])
+
+
+def discrete_colorscale(colours: list[str]) -> list[list]:
+    """A plotly colourscale that maps the integer codes ``0..n-1`` (with ``zmin=0, zmax=n-1``) to flat colours:
+    ``[a, b]`` -> ``[[0, a], [0.5, a], [0.5, b], [1, b]]``."""
+    n = len(colours)
+    if n == 1:
+        return [[0, colours[0]], [1, colours[0]]]
+    scale = []
+    for i, colour in enumerate(colours):
+        scale += [[i / n, colour], [(i + 1) / n, colour]]
+    return scale
