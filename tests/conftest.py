@@ -12,7 +12,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,3 +62,19 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with the embedded model's tokenizer (and chat template), saved like a hub model."""
+    from tr_core.models import embedded_model_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_folder())
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab=len(tokenizer))
+    config.eos_token_id = tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer

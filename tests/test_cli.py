@@ -6,26 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, reference_greedy, tiny_config
+from conftest import ROOT, reference_greedy
 from tr_core.__main__ import main
-from tr_core.models import embedded_model_folder
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama with the embedded model's tokenizer (and chat template), saved like a hub model."""
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_folder())
-    torch.manual_seed(0)
-    config = tiny_config("llama", vocab=len(tokenizer))
-    config.eos_token_id = tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, model, tokenizer
 
 
 def cli(*args):
@@ -67,7 +50,7 @@ def test_text_output_reports_the_figures(tiny_folder):
     (["--model", "no-such-org/no-such-model"], "could not load model id 'no-such-org/no-such-model'"),
     (["--model", "/nonexistent/folder"], "could not load"),
     (["--tree", "no-such-tree"], "unknown tree template"),
-    (["--top-k", "4"], "needs top_k >= 8"),  # the paper tree uses ranks up to 7
+    (["--tree", "paper", "--top-k", "4"], "needs top_k >= 8"),  # the paper tree uses ranks up to 7
     (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
 ])
 def test_bad_input_gives_one_clear_error(tiny_folder, args, message, capsys):
@@ -76,3 +59,10 @@ def test_bad_input_gives_one_clear_error(tiny_folder, args, message, capsys):
     assert main(base + args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1  # one line, no traceback
+
+
+def test_auto_tree_falls_back_for_a_model_without_acceptance_statistics(tiny_folder, capsys):
+    folder, _, _ = tiny_folder
+    assert main(["--prompt", "Hi", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tree"] == "small" and out["hot_start"] is None

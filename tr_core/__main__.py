@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from .engine import METHODS, Engine, EngineConfig
+from .kernels import MODES
 from .models import ModelLoadError
 from .tree import TreeTemplateError
 
@@ -23,10 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", required=True, help="user prompt (the chat template is applied for chat models)")
     p.add_argument("--model", default=None, help="hub id or local folder (default: the embedded SmolLM2-135M)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default="paper", help="tree template name or .json file (Token Recycling)")
+    p.add_argument("--tree", default="auto",
+                   help="Token Recycling tree: auto (fitted to this machine), a template name, or a .json file")
     p.add_argument("--top-k", type=int, default=8, help="candidates kept per matrix row (Token Recycling)")
-    p.add_argument("--matrix", default=None, help="hot-start matrix file (default: cold start, an empty matrix)")
-    p.add_argument("--seed-prompt", action="store_true", help="seed the matrix from the prompt's prefill logits")
+    p.add_argument("--matrix", default="shipped",
+                   help="hot-start matrix: 'shipped' (assets/hot_start, if built for this model), a file, or 'none'")
+    p.add_argument("--seed-prompt", action=argparse.BooleanOptionalAction, default=True,
+                   help="seed the matrix from the prompt's prefill logits (default: on)")
+    p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (bf16)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--trace", default=None, help="write every step event to this JSON file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -36,11 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
-        config = EngineConfig(
-            method=args.method, tree=args.tree, top_k=args.top_k, matrix_path=args.matrix,
-            seed_from_prompt=args.seed_prompt,
-        )
+        config = EngineConfig(method=args.method, tree=args.tree, top_k=args.top_k, seed_from_prompt=args.seed_prompt,
+                              mode=args.mode)
         engine = Engine.load(args.model, config)
+        if args.matrix == "shipped":
+            engine = engine.with_config(matrix_path=engine.shipped_matrix_path())
+        elif args.matrix != "none":
+            engine = engine.with_config(matrix_path=args.matrix)
         result = engine.generate(args.prompt, args.max_new_tokens, chat=not args.no_chat_template)
     except (ModelLoadError, TreeTemplateError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -57,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": round(result.tokens_per_s, 3),
         "elapsed_s": round(result.elapsed_s, 4),
         "stop_reason": result.stop_reason,
+        "tree": engine.tree.name if args.method == "tr" else None,
+        "tree_nodes": engine.tree.size if args.method == "tr" else None,
+        "hot_start": engine.config.matrix_path,
     }
     if args.json:
         print(json.dumps(summary))

@@ -20,20 +20,25 @@ from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
+from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
+from .kernels import MODES, mode_dtype
 from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 TREE_DIRS = (ASSETS_DIR / "trees",)
 METHODS = ("plain", "pld", "tr")
+AUTO = "auto"
+FALLBACK_TREE = "small"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     method: str = "tr"
-    tree: str = "paper"  # Token Recycling: a template name or .json file
+    tree: str = "auto"  # Token Recycling: "auto" (fitted to this machine), a template name or a .json file
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
-    seed_from_prompt: bool = False  # Token Recycling: fill rows from the prompt's prefill logits
+    seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
+    mode: str = "exact"  # "exact" (fp32) or "fast" (bf16); see kernels.py
     pld_max_ngram: int = 3
     pld_max_draft: int = 10
 
@@ -42,13 +47,28 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
-        tree = self.tree_buffers()
-        if tree.max_rank >= self.top_k:
-            raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, which needs top_k >= "
-                             f"{tree.max_rank + 1}; top_k is {self.top_k}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.tree != AUTO:
+            check_ranks(load_template(self.tree, TREE_DIRS), self.top_k)
 
-    def tree_buffers(self) -> TreeBuffers:
-        return load_template(self.tree, TREE_DIRS)
+
+def check_ranks(tree: TreeBuffers, top_k: int) -> None:
+    if tree.max_rank >= top_k:
+        raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, which needs top_k >= "
+                         f"{tree.max_rank + 1}; top_k is {top_k}")
+
+
+def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedTree | None, TreeBuffers]:
+    """The tree a config asks for. "auto" needs the model's shipped acceptance statistics; a model without them
+    (any other hub model) falls back to the "small" template."""
+    fitted = None
+    if config.tree == AUTO and has_acceptance_stats(model):
+        fitted = auto_tree(model)
+    name = FALLBACK_TREE if config.tree == AUTO else config.tree
+    tree = fitted.tree if fitted else load_template(name, TREE_DIRS)
+    check_ranks(tree, config.top_k)
+    return fitted, tree
 
 
 class Engine:
@@ -57,13 +77,13 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.config = config
-        self.tree = config.tree_buffers()
+        self.fitted, self.tree = _resolve_tree(model, config)
         self.matrix = self.fresh_matrix()
 
     @classmethod
     def load(cls, model_id: str | None = None, config: EngineConfig = EngineConfig(),
-             dtype: torch.dtype = torch.float32) -> "Engine":
-        model, tokenizer = load_model(model_id, dtype=dtype)
+             dtype: torch.dtype | None = None) -> "Engine":
+        model, tokenizer = load_model(model_id, dtype=mode_dtype(config.mode)[0] if dtype is None else dtype)
         return cls(model, tokenizer, config)
 
     def fresh_matrix(self) -> AdjacencyMatrix:
@@ -73,9 +93,27 @@ class Engine:
             return AdjacencyMatrix.load(self.config.matrix_path, self.vocab_size, self.config.top_k, device)
         return AdjacencyMatrix(self.vocab_size, self.config.top_k, device)
 
+    def shipped_matrix_path(self) -> str | None:
+        """The hot-start matrix shipped for this model and k (``python -m tr_core.build_assets``), if there is one."""
+        path = ASSETS_DIR / "hot_start" / f"{model_slug(self.model)}-k{self.config.top_k}.safetensors"
+        return str(path) if path.is_file() else None
+
     def with_config(self, **changes) -> "Engine":
-        """Another engine on the same loaded model with some settings changed (and its own matrix)."""
-        return Engine(self.model, self.tokenizer, replace(self.config, **changes))
+        """Another engine on the same loaded model with some settings changed (and its own matrix). The mode is the
+        loaded model's dtype: changing it needs a new ``Engine.load``."""
+        if "mode" in changes and changes["mode"] != self.config.mode:
+            raise ValueError("the mode sets the model's dtype: load another engine to change it")
+        config = replace(self.config, **changes)
+        engine = Engine.__new__(Engine)
+        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size = (
+            self.model, self.tokenizer, self.eos_ids, self.vocab_size)
+        engine.config = config
+        if config.tree == self.config.tree and config.top_k == self.config.top_k:
+            engine.fitted, engine.tree = self.fitted, self.tree  # no need to fit or load the tree again
+        else:
+            engine.fitted, engine.tree = _resolve_tree(self.model, config)
+        engine.matrix = engine.fresh_matrix()
+        return engine
 
     def drafter(self, method: str | None = None) -> Drafter:
         method = method or self.config.method

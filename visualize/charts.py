@@ -70,7 +70,9 @@ def speedup_figure(benchmark: dict) -> go.Figure:
         colour, _ = method_style(method, index)
         pattern = dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white", solidity=0.3)
         # A method whose text differs from plain decoding is not lossless: say so where the speed is read.
-        name = method if numbers.get("identical", True) else f"{method} (output differs from plain!)"
+        identical = numbers.get("identical", True)  # a count of identical outputs (or a bool)
+        differs = identical is False or (not isinstance(identical, bool) and identical < numbers.get("questions", 0))
+        name = f"{method} (output differs from plain!)" if differs else method
         for col, key, fmt in [(1, "speedup", "{:.2f}×"), (2, "mean_accepted_tokens", "{:.2f}")]:
             values = [_metric(numbers, c, key) for c in cats]
             tok_s = [_metric(numbers, c, "tokens_per_s") for c in cats]

@@ -1,0 +1,28 @@
+"""The benchmark command end to end on a tiny model and a small question file."""
+
+import json
+
+from tr_core.bench import main
+
+
+def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
+    folder, _, _ = tiny_folder
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"Question {i} about {cat}: repeat {cat} {cat} {cat}."]}
+            for i, cat in enumerate(["qa", "qa", "translation", "writing"])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    assert main(["--model", str(folder), "--questions", str(questions), "--per-category", "2",
+                 "--max-new-tokens", "12", "--methods", "pld,tr,tr-paper,tr-cold", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["methods"]) == {"plain", "pld", "tr", "tr-paper", "tr-cold"}
+    for name, m in results["methods"].items():
+        assert {"tokens_per_s", "speedup", "mean_accepted_tokens", "identical", "questions", "by_category"} <= set(m)
+        assert m["questions"] == 4 and set(m["by_category"]) == {"qa", "translation", "mt_bench"}
+        assert m["identical"] == 4  # float32 tiny model: every output equals plain's here
+    assert results["methods"]["plain"]["speedup"] == 1.0
+    assert results["methods"]["plain"]["mean_accepted_tokens"] == 1.0
+    assert results["config"]["hot_start_carried_across_questions"] is True
+    assert "## overall" in printed and "| tr-paper |" in printed
+    assert (out / "report.md").is_file() and (out / "speedup.html").is_file()

@@ -1,0 +1,53 @@
+"""Fitting the tree to the hardware: the choice follows the cost curve and the acceptance statistics."""
+
+import pytest
+
+from conftest import tiny_model
+from tr_core import AdjacencyMatrix, RecyclingDrafter, load_template, run
+from tr_core.calibrate import fit_tree, interpolate, measure_forward_ms, node_acceptance
+
+
+def fake_acceptance(tree):
+    # likelier for low ranks and shallow nodes; a child never beats its parent
+    acc = [1.0] * tree.size
+    for i in range(1, tree.size):
+        acc[i] = acc[int(tree.parents[i])] * (0.6 / (1 + int(tree.ranks[i])))
+    return acc
+
+
+def test_flat_cost_takes_the_whole_tree_and_steep_cost_a_small_one():
+    paper = load_template("paper")
+    acc = fake_acceptance(paper)
+    flat = fit_tree(paper, acc, {1: 10.0, 81: 10.0})
+    assert flat.tree.size == 81
+    steep = fit_tree(paper, acc, {1: 10.0, 2: 11.0, 4: 13.0, 8: 20.0, 16: 40.0, 81: 200.0})
+    assert 2 <= steep.tree.size <= 8
+    # the fitted tree's predicted speedup is the best row of its table
+    assert steep.predicted_speedup == pytest.approx(max(r["predicted_speedup"] for r in steep.table))
+    # expected accepted = 1 + the acceptance of the chosen nodes
+    chosen = {p for p in steep.tree.node_paths[1:]}
+    want = 1 + sum(a for p, a in zip(paper.node_paths, acc) if p in chosen)
+    assert steep.expected_accepted == pytest.approx(want)
+    # the likeliest nodes are the rank-0 chain's start
+    assert (0,) in chosen
+
+
+def test_interpolate():
+    curve = {1: 10.0, 5: 30.0}
+    assert interpolate(curve, 1) == 10 and interpolate(curve, 3) == 20 and interpolate(curve, 9) == 30
+
+
+def test_node_acceptance_counts_the_accepted_path():
+    model = tiny_model("llama", seed=4)
+    tree = load_template("small")
+    result = run(model, list(range(10, 30)), RecyclingDrafter(AdjacencyMatrix(256, 8), tree), 24)
+    acc = node_acceptance(result.events, tree)
+    assert acc[0] == 1.0 and len(acc) == tree.size
+    on_path = sum(len(e.accepted_path) for e in result.events) / len(result.events)
+    assert sum(acc) == pytest.approx(on_path)
+
+
+def test_calibration_measures_every_size():
+    model = tiny_model("qwen2", seed=5)
+    curve = measure_forward_ms(model, sizes=(1, 4, 16), prefix=16, repeats=1, use_cache_file=False)
+    assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())

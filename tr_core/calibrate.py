@@ -1,0 +1,172 @@
+"""Fitting the draft tree to the hardware.
+
+Token Recycling pays off when verifying a tree of N tokens costs little more than one decoding step. On a
+datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 8. So:
+
+1. ``measure_forward_ms`` calibrates t(N), the forward latency for N tree tokens on a cached prefix, for the loaded
+   model, dtype and machine (cached on disk per model/dtype/machine);
+2. ``node_acceptance`` estimates, from decoding on generic prompts with a large template, how often each node lies
+   on the accepted path;
+3. ``fit_tree`` grows the tree node by node in order of acceptance (children are never likelier than their parent,
+   so each prefix of that order is a valid tree) and keeps the size that maximises
+   expected tokens per second = (1 + expected accepted draft tokens) / (t(N) + per-step overhead).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from .decoding import _tree_mask
+from .models import default_cache_dir
+from .tree import TreeBuffers, build_tree, load_template
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(model: PreTrainedModel) -> str:
+    """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
+    name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
+    kernels = getattr(model, "_tr_kernels", "dense")
+    device = model.device.type if model.device.type != "cpu" else _cpu_name()
+    raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
+
+
+@torch.inference_mode()
+def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
+                       prefix: int = 128, repeats: int = 3, use_cache_file: bool = True) -> dict[int, float]:
+    """Median time (ms) of a step's model work for N tree tokens (the first N nodes of the paper tree, with its tree
+    mask) on top of a ``prefix``-token cache: the forward, the argmax, and for N > 1 the top-k of every node."""
+    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}.json"
+    if use_cache_file and path.is_file():
+        cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        if all(n in cached for n in sizes):
+            return {n: cached[n] for n in sizes}
+    device = model.device
+    paper = load_template("paper")
+    g = torch.Generator().manual_seed(0)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ctx, cache=cache, use_cache=True)
+    result = {}
+    for n in sizes:
+        tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+        if tree is None:
+            pos, mask = torch.tensor([[prefix]], device=device), None
+        else:
+            pos = (prefix + tree.depth.to(device))[None]
+            mask = _tree_mask(tree.to(device), prefix, model.dtype, device)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True).logits
+            logits.argmax(dim=-1)
+            if n > 1:  # a tree step also takes every node's top-k for the matrix update
+                torch.topk(logits[0], 8, dim=-1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            cache.crop(-n)
+        result[n] = statistics.median(times[1:])
+    if use_cache_file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    """t(n) by linear interpolation between measured sizes (flat beyond the ends)."""
+    xs = sorted(curve)
+    if n <= xs[0]:
+        return curve[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    return curve[xs[-1]]
+
+
+def node_acceptance(events: list, tree: TreeBuffers) -> list[float]:
+    """For every node of ``tree``, the share of steps in which it lay on the accepted path (root = 1.0)."""
+    counts = [0] * tree.size
+    steps = 0
+    for e in events:
+        if e.tree_name != tree.name or len(e.tree_tokens) != tree.size:
+            continue
+        steps += 1
+        for node in e.accepted_path:
+            counts[node] += 1
+    if not steps:
+        raise ValueError(f"no steps with tree {tree.name!r} to count acceptance from")
+    return [c / steps for c in counts]
+
+
+@dataclass
+class FittedTree:
+    tree: TreeBuffers
+    expected_accepted: float  # expected tokens per step, bonus included
+    predicted_speedup: float  # over plain decoding, from t(N) and the overhead
+    table: list[dict]  # one row per candidate size: nodes, expected_accepted, step_ms, predicted_speedup
+
+
+def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
+             overhead_ms: float = 0.0, name: str = "auto", max_nodes: int | None = None) -> FittedTree:
+    """The prefix of ``source``'s nodes, in order of acceptance, that maximises expected tokens per second."""
+    order = sorted(range(1, source.size), key=lambda i: (-acceptance[i], i))
+    plain_ms = interpolate(curve, 1) + overhead_ms
+    best, table, expected = None, [], 1.0
+    limit = source.size - 1 if max_nodes is None else min(max_nodes, source.size - 1)
+    for count in range(0, limit + 1):
+        if count:
+            expected += acceptance[order[count - 1]]
+        step_ms = interpolate(curve, count + 1) + overhead_ms
+        speedup = expected / step_ms * plain_ms
+        table.append({"nodes": count + 1, "expected_accepted": expected, "step_ms": step_ms,
+                      "predicted_speedup": speedup})
+        if best is None or speedup > best[2]:
+            best = (count, expected, speedup)
+    count, expected, speedup = best
+    chosen = [source.node_paths[i] for i in order[:count]]
+    return FittedTree(build_tree(chosen, name=name), expected, speedup, table)
+
+
+ACCEPTANCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "acceptance"
+
+
+def model_slug(model: PreTrainedModel) -> str:
+    """The name assets are filed under: the model folder's or hub id's last part, lower-cased."""
+    return Path(str(getattr(model.config, "_name_or_path", "model"))).name.lower() or "model"
+
+
+def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> bool:
+    return (acceptance_dir / f"{model_slug(model)}.json").is_file()
+
+
+def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> FittedTree:
+    """The tree fitted to this model on this machine: shipped acceptance statistics + a calibrated t(N)."""
+    path = acceptance_dir / f"{model_slug(model)}.json"
+    if not path.is_file():
+        raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
+                         "`python -m tr_core.build_assets --model ...`, or choose a named tree")
+    stats = json.loads(path.read_text())
+    source = build_tree([tuple(p) for p in stats["node_paths"] if p], name=stats.get("tree", "source"))
+    if [list(p) for p in source.node_paths] != stats["node_paths"]:
+        raise ValueError(f"{path}: node_paths are not in BFS order")
+    return fit_tree(source, stats["acceptance"], measure_forward_ms(model))
