@@ -62,7 +62,8 @@ class MethodRunner:
         if self.reset_each_question:
             self.engine.matrix = self.engine.fresh_matrix()
         e = self.engine
-        return run(e.model, ids, e.drafter(self.method), max_new_tokens, e.eos_ids, TokenText(e.tokenizer))
+        return run(e.model, ids, e.drafter(self.method), max_new_tokens, e.eos_ids, TokenText(e.tokenizer),
+                   head=e.head)
 
 
 def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodRunner]:

@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .events import RowUpdate, StepEvent
 from .kv import keep_accepted_path
+from .kernels import OutputHead
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
 
@@ -101,11 +102,13 @@ def _max_positions(model: PreTrainedModel) -> int | None:
 
 @torch.inference_mode()
 def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
-           eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None) -> Iterator[StepEvent]:
+           eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
+           head: OutputHead | None = None) -> Iterator[StepEvent]:
     """Greedy decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass.
 
     Stops exactly at the first EOS (included in the output) or after ``max_new_tokens`` tokens, or when the model's
-    context is full. ``text`` turns ids into strings for the events (empty strings without it).
+    context is full. ``text`` turns ids into strings for the events (empty strings without it). ``head`` is the
+    output layer (made once per model by the caller that decodes many prompts; see ``kernels.OutputHead``).
     """
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
@@ -116,6 +119,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     if max_pos is not None and len(prompt_ids) >= max_pos:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
 
+    base, head = model.base_model, head or OutputHead(model)
     seq = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long, device=device)
     seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
     length = len(prompt_ids)
@@ -124,12 +128,10 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
 
     past_len = length - 1  # the cache holds all but the root
     if past_len > 0:
-        ctx = seq[:past_len][None]
+        # the prefill needs no logits, unless the drafter seeds its matrix from them
+        hidden = base(input_ids=seq[:past_len][None], cache=cache, use_cache=True).last_hidden_state[0]
         if drafter.wants_prefill_logits:
-            out = model(input_ids=ctx, cache=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-            drafter.on_prefill(seq[:past_len], _all_logits(model, out.hidden_states[-1][0]))
-        else:
-            model(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1)
+            drafter.on_prefill(seq[:past_len], _chunked(head, hidden))
 
     generated: list[int] = []
     steps = 0
@@ -146,8 +148,9 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         mask = None if _is_chain(tree) else _tree_mask(tree, past_len, dtype, device)
         _sync(device)
         t1 = time.perf_counter()
-        out = model(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
-        logits = out.logits[0]
+        hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,
+                      use_cache=True).last_hidden_state[0]
+        logits = head(hidden)
         _sync(device)
         t2 = time.perf_counter()
 
@@ -202,18 +205,18 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         yield event
 
 
-def _all_logits(model: PreTrainedModel, hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def _chunked(head: OutputHead, hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Output logits for every position of ``hidden`` (L, d), computed in chunks to bound the (L, V) peak."""
-    head = model.get_output_embeddings()
     return torch.cat([head(hidden[i:i + chunk]) for i in range(0, hidden.shape[0], chunk)])
+
 
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
         eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-        keep_events: bool = True) -> DecodeResult:
+        keep_events: bool = True, head: OutputHead | None = None) -> DecodeResult:
     """Decode to the end and collect the result (with every event, unless ``keep_events`` is False)."""
     events, ids, pieces, last = [], [], [], None
-    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text):
+    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text, head):
         ids.extend(last.new_tokens)
         pieces.append(last.new_text)
         if keep_events:

@@ -21,7 +21,7 @@ from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
 from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
-from .kernels import MODES, mode_dtype
+from .kernels import MODES, OutputHead, mode_dtype
 from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -76,6 +76,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.head = OutputHead(model)
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
         self.matrix = self.fresh_matrix()
@@ -105,8 +106,8 @@ class Engine:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
         engine = Engine.__new__(Engine)
-        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size = (
-            self.model, self.tokenizer, self.eos_ids, self.vocab_size)
+        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head = (
+            self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head)
         engine.config = config
         if config.tree == self.config.tree and config.top_k == self.config.top_k:
             engine.fitted, engine.tree = self.fitted, self.tree  # no need to fit or load the tree again
@@ -131,9 +132,11 @@ class Engine:
     def stream(self, prompt: str | list[int], max_new_tokens: int, method: str | None = None,
                chat: bool = True) -> Iterator[StepEvent]:
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
-        return decode(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer))
+        return decode(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
+                      self.head)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int, method: str | None = None,
                  chat: bool = True) -> DecodeResult:
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
-        return run(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer))
+        return run(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
+                   head=self.head)

@@ -32,3 +32,31 @@ def mode_dtype(mode: str) -> tuple[torch.dtype, str]:
         return torch.float32, "exact: fp32"
     native = "native" if cpu_has_native_bf16() else "emulated: no AVX-512 BF16/AMX on this CPU"
     return torch.bfloat16, f"fast: bf16 ({native})"
+
+
+class OutputHead:
+    """The model's output layer, computed with the matmul layout that is fastest for the number of rows.
+
+    The engine runs the base model (``model.base_model``) and applies this head to its final hidden states, so the
+    output layer is computed only for the positions it needs (none at prefill). On CPUs, torch's ``F.linear`` for the
+    49,152 x 576 output layer of the embedded model took 9.4 ms for one row and ~20 ms for 2-8 rows; ``h @ W^T``
+    from a transposed copy took 5.9 ms for one row, and ``(W @ h^T)^T`` 7-10 ms for 2-8 rows. Same maths, other
+    summation order: results agree to float rounding.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        head = model.get_output_embeddings()
+        self.weight = head.weight  # (V, d), shared with the input embedding when tied
+        self.bias = getattr(head, "bias", None)
+        self.on_cpu = self.weight.device.type == "cpu"
+        self._transposed = self.weight.detach().t().contiguous() if self.on_cpu else None  # (d, V), one copy
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (n, d) -> logits (n, V)."""
+        if not self.on_cpu:
+            logits = hidden @ self.weight.t()
+        elif hidden.shape[0] == 1:
+            logits = hidden @ self._transposed
+        else:
+            logits = (self.weight @ hidden.t()).t()
+        return logits + self.bias if self.bias is not None else logits
