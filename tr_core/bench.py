@@ -66,6 +66,11 @@ class MethodRunner:
                    head=e.head)
 
 
+def _sized(name: str) -> bool:
+    """``tr-N``: Token Recycling with the N likeliest nodes of the acceptance statistics (root included)."""
+    return name.startswith("tr-") and name[3:].isdigit()
+
+
 def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodRunner]:
     matrix = str(hot) if hot else None
     runners = []
@@ -83,8 +88,11 @@ def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[Me
         elif name == "tr-cold":
             runners.append(MethodRunner(name, base.with_config(method="tr", tree="auto", seed_from_prompt=True),
                                         "tr", reset_each_question=True))
+        elif _sized(name):
+            runners.append(MethodRunner(name, base.with_config(method="tr", tree=f"auto-{name[3:]}",
+                                                               matrix_path=matrix, seed_from_prompt=True), "tr"))
         else:
-            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}, or tr-N")
     return runners
 
 
@@ -140,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", default=None, help="JSON-lines questions (default: the Spec-Bench copy in assets/)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, from {', '.join(ALL_METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)}, and tr-N (the N likeliest nodes, to compare "
+                        "tree sizes)")
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
     p.add_argument("--out", default="bench_out")
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "plain" not in methods:
         methods.insert(0, "plain")  # speedups are over plain decoding
-    unknown = sorted(set(methods) - set(ALL_METHODS))
+    unknown = sorted(m for m in set(methods) - set(ALL_METHODS) if not _sized(m))
     if unknown or args.per_category < 1 or args.max_new_tokens < 1:
         p.error(f"unknown methods {unknown}" if unknown else "--per-category and --max-new-tokens must be >= 1")
 
@@ -215,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         entry["by_category"] = {c: summarize([x for x in r.records if x.category == c], plain_tps)
                                 for c in categories if any(x.category == c for x in r.records)}
         entry["accepted_length_histogram"] = dict(sorted(Counter(n for x in r.records for n in x.accepted_lengths).items()))
+        if r.engine.fitted and r.method == "tr":
+            entry["tree_nodes"] = r.engine.tree.size
+            entry["predicted_mean_accepted_tokens"] = round(r.engine.fitted.expected_accepted, 4)
+            entry["predicted_speedup"] = round(r.engine.fitted.predicted_speedup, 4)
+        elif r.method == "tr":
+            entry["tree_nodes"] = r.engine.tree.size
         entry["first_differences"] = [{"question_id": x.question_id, **x.first_difference}
                                       for x in r.records if x.first_difference]
         results["methods"][r.name] = entry
@@ -226,6 +242,14 @@ def main(argv: list[str] | None = None) -> int:
               "## overall", markdown_table(results)]
     for c in categories:
         report += ["", f"## {c}", markdown_table(results, c)]
+    predicted = [(n, m) for n, m in results["methods"].items() if "predicted_speedup" in m]
+    if predicted:
+        report += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
+                   "| method | nodes | predicted MAT | measured MAT | predicted speedup | measured speedup |",
+                   "|---|---|---|---|---|---|"]
+        report += [f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | "
+                   f"{m['mean_accepted_tokens']:.2f} | {m['predicted_speedup']:.2f}x | {m['speedup']:.2f}x |"
+                   for n, m in predicted]
     report += ["", "## accepted tokens per step (share of steps)"]
     report += [f"- {r.name}: {histogram(r.records)}" for r in runners]
     diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]

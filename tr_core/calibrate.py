@@ -131,8 +131,10 @@ class FittedTree:
 
 
 def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
-             overhead_ms: float = 0.0, name: str = "auto", max_nodes: int | None = None) -> FittedTree:
-    """The prefix of ``source``'s nodes, in order of acceptance, that maximises expected tokens per second."""
+             overhead_ms: float = 0.0, name: str = "auto", max_nodes: int | None = None,
+             size: int | None = None) -> FittedTree:
+    """The prefix of ``source``'s nodes, in order of acceptance, that maximises expected tokens per second (or, with
+    ``size``, the prefix of that many nodes, root included)."""
     order = sorted(range(1, source.size), key=lambda i: (-acceptance[i], i))
     plain_ms = interpolate(curve, 1) + overhead_ms
     best, table, expected = None, [], 1.0
@@ -146,6 +148,11 @@ def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, floa
                       "predicted_speedup": speedup})
         if best is None or speedup > best[2]:
             best = (count, expected, speedup)
+    if size is not None:
+        if not 1 <= size <= len(table):
+            raise ValueError(f"a tree of {size} nodes cannot be cut from {source.name!r} ({source.size} nodes)")
+        row = table[size - 1]
+        best = (size - 1, row["expected_accepted"], row["predicted_speedup"])
     count, expected, speedup = best
     chosen = [source.node_paths[i] for i in order[:count]]
     return FittedTree(build_tree(chosen, name=name), expected, speedup, table)
@@ -163,8 +170,9 @@ def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTAN
     return (acceptance_dir / f"{model_slug(model)}.json").is_file()
 
 
-def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> FittedTree:
-    """The tree fitted to this model on this machine: shipped acceptance statistics + a calibrated t(N)."""
+def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None) -> FittedTree:
+    """The tree fitted to this model on this machine: shipped acceptance statistics + a calibrated t(N). With
+    ``size``, the ``size`` likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
     path = acceptance_dir / f"{model_slug(model)}.json"
     if not path.is_file():
         raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
@@ -173,4 +181,5 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> 
     source = build_tree([tuple(p) for p in stats["node_paths"] if p], name=stats.get("tree", "source"))
     if [list(p) for p in source.node_paths] != stats["node_paths"]:
         raise ValueError(f"{path}: node_paths are not in BFS order")
-    return fit_tree(source, stats["acceptance"], measure_forward_ms(model))
+    name = "auto" if size is None else f"auto-{size}"
+    return fit_tree(source, stats["acceptance"], measure_forward_ms(model), name=name, size=size)

@@ -34,7 +34,8 @@ FALLBACK_TREE = "small"
 @dataclass(frozen=True)
 class EngineConfig:
     method: str = "tr"
-    tree: str = "auto"  # Token Recycling: "auto" (fitted to this machine), a template name or a .json file
+    tree: str = "auto"  # Token Recycling: "auto" (fitted to this machine), "auto-N" (the N likeliest nodes),
+    #                     a template name or a .json file
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
@@ -49,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.tree != AUTO:
+        if self.tree != AUTO and not self.tree.startswith(AUTO + "-"):
             check_ranks(load_template(self.tree, TREE_DIRS), self.top_k)
 
 
@@ -63,8 +64,12 @@ def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedT
     """The tree a config asks for. "auto" needs the model's shipped acceptance statistics; a model without them
     (any other hub model) falls back to the "small" template."""
     fitted = None
-    if config.tree == AUTO and has_acceptance_stats(model):
-        fitted = auto_tree(model)
+    sized = config.tree.startswith(AUTO + "-") and config.tree[len(AUTO) + 1:].isdigit()
+    if (config.tree == AUTO or sized) and has_acceptance_stats(model):
+        fitted = auto_tree(model, size=int(config.tree[len(AUTO) + 1:]) if sized else None)
+    elif sized:
+        raise ValueError(f"tree {config.tree!r} needs acceptance statistics for this model "
+                         "(python -m tr_core.build_assets)")
     name = FALLBACK_TREE if config.tree == AUTO else config.tree
     tree = fitted.tree if fitted else load_template(name, TREE_DIRS)
     check_ranks(tree, config.top_k)
