@@ -19,14 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .calibrate import node_acceptance
+from .calibrate import model_slug, node_acceptance
 from .engine import ASSETS_DIR, Engine, EngineConfig
 
 PROMPTS = ASSETS_DIR / "prompts" / "generic.txt"
-
-
-def model_slug(model_id: str | None) -> str:
-    return "smollm2-135m-instruct" if model_id in (None, "", "embedded") else Path(model_id).name.lower()
 
 
 def generic_prompts(path: Path = PROMPTS) -> list[str]:
@@ -40,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--out", default=str(ASSETS_DIR))
+    p.add_argument("--prompts", default=str(PROMPTS), help="one prompt per line ('#' lines are comments)")
     args = p.parse_args(argv)
 
     engine = Engine.load(args.model, EngineConfig(method="tr", tree="paper", top_k=args.top_k, seed_from_prompt=True))
-    prompts = generic_prompts()
+    prompts = generic_prompts(Path(args.prompts))
+    if len(prompts) < 2:
+        p.error("need at least 2 prompts: the first half warms the matrix, the second half is counted")
     half = len(prompts) // 2
     counted, tokens, steps = [], 0, 0
     started = time.perf_counter()
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             steps += result.steps
     acceptance = node_acceptance(counted, engine.tree)
 
-    slug = model_slug(args.model)
+    slug = model_slug(engine.model)
     out = Path(args.out)
     (out / "hot_start").mkdir(parents=True, exist_ok=True)
     (out / "acceptance").mkdir(parents=True, exist_ok=True)
