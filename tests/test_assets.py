@@ -1,0 +1,41 @@
+"""The shipped assets: small, loadable, consistent, and built from prompts that are not benchmark questions."""
+
+import json
+
+from safetensors import safe_open
+
+from conftest import ROOT
+from tr_core.build_assets import generic_prompts
+from tr_core.matrix import AdjacencyMatrix
+from tr_core.spec_bench import load_questions
+from tr_core.tree import load_template
+
+ASSETS = ROOT / "assets"
+
+
+def test_hot_start_matrix_is_small_and_loads():
+    path = ASSETS / "hot_start" / "smollm2-135m-instruct-k8.safetensors"
+    assert path.stat().st_size < 2 * 1024 * 1024
+    m = AdjacencyMatrix.load(path, vocab_size=49_152, k=8)
+    assert int((m.rows != 0).any(dim=1).sum()) > 1000  # thousands of rows learned
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["built_by"] == "python -m tr_core.build_assets"
+
+
+def test_acceptance_statistics_are_consistent_with_the_paper_tree():
+    stats = json.loads((ASSETS / "acceptance" / "smollm2-135m-instruct.json").read_text())
+    paper = load_template("paper")
+    assert [tuple(p) for p in stats["node_paths"]] == list(paper.node_paths)
+    acc = stats["acceptance"]
+    assert acc[0] == 1.0
+    for i in range(1, paper.size):
+        assert 0 <= acc[i] <= acc[int(paper.parents[i])]
+    # the expected accepted length equals the measured mean accepted tokens of those steps
+    assert abs(sum(acc) - stats["mean_accepted_tokens"]) < 0.05
+
+
+def test_generic_prompts_are_not_spec_bench_questions():
+    prompts = generic_prompts()
+    assert len(prompts) >= 30
+    questions = {q.prompt.strip().lower() for q in load_questions()}
+    assert not any(p.strip().lower() in questions for p in prompts)
