@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
               "## overall", markdown_table(results)]
     for c in categories:
         report += ["", f"## {c}", markdown_table(results, c)]
+    plain_step = results["methods"]["plain"]["forward_ms_per_step"] + results["methods"]["plain"]["overhead_ms_per_step"]
+    report += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
+    report += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
+               for n, m in results["methods"].items()]
     predicted = [(n, m) for n, m in results["methods"].items() if "predicted_speedup" in m]
     if predicted:
         report += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",

@@ -51,7 +51,7 @@ def machine_key(model: PreTrainedModel) -> str:
 
 @torch.inference_mode()
 def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
-                       prefix: int = 128, repeats: int = 3, use_cache_file: bool = True) -> dict[int, float]:
+                       prefix: int = 128, repeats: int = 5, use_cache_file: bool = True) -> dict[int, float]:
     """Median time (ms) of a step's model work for N tree tokens (the first N nodes of the paper tree, with its tree
     mask) on top of a ``prefix``-token cache: the forward, the argmax, and for N > 1 the top-k of every node."""
     path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}.json"
