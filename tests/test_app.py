@@ -1,0 +1,352 @@
+"""The app: the HTML a user reads (from hand-made events), the per-user session and the model cache (with fakes and a
+tiny model), and the named API endpoints of a launched app on the embedded model, through gradio_client."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+
+import app  # noqa: E402
+from tr_core.engine import Engine  # noqa: E402
+from tr_core.events import RowUpdate, StepEvent  # noqa: E402
+from tr_core.matrix import AdjacencyMatrix  # noqa: E402
+from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError  # noqa: E402
+from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
+from ui import session as session_mod  # noqa: E402
+from ui.render import (Counters, RaceRun, answer_html, counters_html, first_difference, history_html,  # noqa: E402
+                       lanes_html, race_table_html, split_step)
+from ui.session import (ModelCache, Session, starting_matrix, tree_choices, tree_names,  # noqa: E402
+                        tree_note)
+
+PROMPT = "Name three colours."
+NEW_TOKENS = 16
+# gradio's queue calls a pandas option that pandas 3 deprecates: not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")
+
+
+def hand_event(**changes) -> StepEvent:
+    """Root 'a' -> ' b' (node 1) -> '\\n' (node 3) accepted, then the bonus ' e': three tokens in one step."""
+    event = dict(step=0, method="tr", tree_name="hand", tree_tokens=[10, 11, 12, 13, 14],
+                 tree_parents=[-1, 0, 0, 1, 1], tree_ranks=[0, 0, 1, 0, 1], tree_text=["a", " b", "d", "\n", "c"],
+                 predicted=[11, 13, 99, 15, 16], accepted_path=[0, 1, 3], bonus_token=15, new_tokens=[11, 13, 15],
+                 new_text=" b\n e", rows_updated=[RowUpdate(10, [11, 12], [11, 40])], total_tokens=3, total_steps=1,
+                 elapsed_s=0.5)
+    event.update(changes)
+    return StepEvent(**event)
+
+
+def single_event(step: int, token: int, text: str, total: int, elapsed: float) -> StepEvent:
+    """A step that accepted no draft: only its bonus token."""
+    return hand_event(step=step, accepted_path=[0], bonus_token=token, new_tokens=[token], new_text=text,
+                      total_tokens=total, total_steps=step + 1, elapsed_s=elapsed)
+
+
+def visible_text(fragment: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+# --- what the page says ---------------------------------------------------------------------------------------------
+
+def test_a_step_splits_into_accepted_drafts_and_the_bonus_token():
+    assert split_step(hand_event()) == (" b\n", " e")
+    assert split_step(single_event(1, 7, "!", 4, 1.0)) == ("", "!")
+    # cut by the token budget after the first accepted draft: no bonus token
+    assert split_step(hand_event(new_tokens=[11], new_text=" b")) == (" b", "")
+
+
+def test_the_answer_marks_multi_token_steps_and_escapes_text():
+    events = [hand_event(), single_event(1, 7, "<|im_end|>", 4, 1.0)]
+    page = answer_html(events)
+    spans = re.findall(r'<span class="(tr-step[^"]*)" data-step="(\d)" data-tokens="(\d)"', page)
+    assert spans == [("tr-step tr-multi", "0", "3"), ("tr-step", "1", "1")]
+    assert '<span class="tr-draft"> b\n</span><span class="tr-bonus"> e</span>' in page
+    assert "&lt;|im_end|&gt;" in page and "<|im_end|>" not in page
+    assert visible_text(page) == " b\n e<|im_end|>"
+    outlined = answer_html(events, current=1)
+    assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d)"', outlined) == ["1"]
+
+
+def test_counters_measure_decoding_time():
+    c = Counters(steps=4, tokens=10, compute_s=2.0)
+    assert (c.mean_accepted_tokens, c.tokens_per_s) == (2.5, 5.0)
+    page = counters_html(c, "running")
+    values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
+    assert values == {"steps": "4", "tokens": "10", "mean_accepted_tokens": "2.50", "tokens_per_s": "5.0"}
+    assert Counters().tokens_per_s == 0.0
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def race_runs() -> dict[str, RaceRun]:
+    """plain: 4 tokens in 4 steps over 2 s; tr: the same tokens in 2 steps over 1 s; pld: differs at token 2."""
+    plain = [single_event(i, t, f" w{t}", i + 1, 0.5 * (i + 1)) for i, t in enumerate([1, 2, 3, 4])]
+    tr = [hand_event(step=0, new_tokens=[1, 2], new_text=" w1 w2", total_tokens=2, total_steps=1, elapsed_s=0.5),
+          hand_event(step=1, new_tokens=[3, 4], new_text=" w3 w4", total_tokens=4, total_steps=2, elapsed_s=1.0)]
+    pld = [single_event(i, t, f" w{t}", i + 1, 0.5 * (i + 1)) for i, t in enumerate([1, 2, 9, 4])]
+    return {"plain": RaceRun("plain", plain), "pld": RaceRun("pld", pld), "tr": RaceRun("tr", tr)}
+
+
+def test_the_race_table_gives_speedups_and_shows_a_difference():
+    decode = lambda ids: "".join(f" w{i}" for i in ids)  # noqa: E731
+    page = race_table_html(race_runs(), decode, tree="small")
+    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"><td>[^<]*</td><td>([\d.]+)</td>'
+                      r"<td>([\d.]+)×</td><td>([\d.]+)</td>", page)
+    assert rows == [("plain", "true", "2.0", "1.00", "1.00"), ("pld", "false", "2.0", "1.00", "1.00"),
+                    ("tr", "true", "4.0", "2.00", "2.00")]
+    diff = re.search(r'<div class="tr-diff" data-method="pld">(.*?)</div>', page).group(1)
+    assert "at token 2" in diff and "<del> w3 w4</del><ins> w9 w4</ins>" in diff
+
+
+def test_race_lanes_show_what_each_run_had_at_a_moment():
+    runs = race_runs()
+    at = lanes_html(runs, 0.6)
+    lanes = dict(re.findall(r'data-method="(\w+)">.*?<div class="tr-lane-foot">([^<]*)</div>', at))
+    assert lanes == {"plain": "1 tokens in 1 steps, 0.6 s", "pld": "1 tokens in 1 steps, 0.6 s",
+                     "tr": "2 tokens in 1 steps, 0.6 s"}
+    assert "done, 4.0 tokens/s" in lanes_html(runs, 1.2)
+    assert "waiting to be measured" in lanes_html({"plain": runs["plain"], "tr": None}, None)
+
+
+def test_history_lists_newest_first():
+    s = Session()
+    s.record("live", "small", 8, "shipped", 16, 8, 4.0)
+    s.record("live", "small", 8, "shipped + 1 runs", 16, 5, 5.0)
+    page = history_html(s.history)
+    assert [r for r in re.findall(r"<tr><td>(\d)</td>", page)] == ["2", "1"]
+    assert "2.00" in page and "3.20" in page
+    assert "No runs yet" in history_html([])
+
+
+# --- choices, hot start, the model cache and the session ------------------------------------------------------------
+
+def test_tree_choices_list_the_fitted_tree_then_every_template(tmp_path):
+    assert tree_names((tmp_path,)) == ["auto"] + list(BUILTIN_TEMPLATES)
+    (tmp_path / "wide.json").write_text(json.dumps({"branching": {"": 2, "0": 1}}))
+    (tmp_path / "broken.json").write_text("{not json")
+    choices = tree_choices((tmp_path,))
+    assert [name for _, name in choices] == ["auto"] + list(BUILTIN_TEMPLATES) + ["wide"]  # broken.json left out
+    labels = {name: label for label, name in choices}
+    assert labels["auto"] == "auto: fitted to the model and this machine"
+    assert labels["paper"] == "paper: the paper's tree, 80 draft nodes" and labels["wide"] == "wide: 3 draft nodes"
+
+
+def test_the_tree_note_says_what_the_run_drafts_with():
+    tree = SimpleNamespace(size=10, name="auto")
+    fitted = SimpleNamespace(predicted_speedup=1.234)
+    assert tree_note(SimpleNamespace(tree=tree, fitted=fitted), "auto") == \
+        "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding)"
+    small = SimpleNamespace(size=13, name="small")
+    assert tree_note(SimpleNamespace(tree=small, fitted=None), "auto") == \
+        "tree auto: no acceptance statistics for this model, so the small tree (12 draft nodes)"
+    assert tree_note(SimpleNamespace(tree=small, fitted=None), "small") == "tree small: 12 draft nodes"
+    empty = SimpleNamespace(tree=SimpleNamespace(size=1, name="auto"), fitted=fitted)
+    assert tree_note(empty, "auto").startswith("tree auto: no draft nodes: on this machine, verifying even one")
+
+
+def fake_engine(vocab: int, k: int, name: str = "org/My-Model"):
+    return SimpleNamespace(vocab_size=vocab, config=SimpleNamespace(top_k=k),
+                           model=SimpleNamespace(config=SimpleNamespace(_name_or_path=name)))
+
+
+def test_the_starting_matrix_is_the_models_shipped_one(tmp_path):
+    engine = fake_engine(50, 4)
+    matrix, note = starting_matrix(engine, True, tmp_path)
+    assert note == "cold start: no hot-start matrix is shipped for my-model (assets/hot_start/)"
+    assert not matrix.rows.any()
+    saved = AdjacencyMatrix(50, 8)
+    saved.rows = torch.randint(0, 50, (50, 8), dtype=torch.int32)
+    saved.save(tmp_path / "my-model-k8.safetensors")
+    saved.save(tmp_path / "other-model-k4.safetensors")  # another model's: never used for this one
+    matrix, note = starting_matrix(engine, True, tmp_path)
+    assert note == "hot start from the shipped matrix my-model-k8.safetensors"
+    assert torch.equal(matrix.rows, saved.rows[:, :4])  # a smaller k keeps the top ranks
+    matrix, note = starting_matrix(fake_engine(60, 4), True, tmp_path)
+    assert note.startswith("cold start: no shipped matrix fits") and "vocabulary of 50" in note
+    matrix, note = starting_matrix(engine, False, tmp_path)
+    assert note == "cold start: an empty matrix (hot start is off)" and not matrix.rows.any()
+
+
+def test_the_default_model_falls_back_to_the_hub_when_the_package_is_missing(monkeypatch):
+    calls = []
+
+    def fake_load(model_id, config):
+        calls.append(model_id)
+        if model_id is None:
+            raise ModelLoadError("the embedded model package is not installed")
+        return f"engine for {model_id}"
+
+    monkeypatch.setattr(session_mod.importlib.util, "find_spec", lambda name: None)
+    assert session_mod.load_default_engine(fake_load) == f"engine for {EMBEDDED_HUB_ID}"
+    assert calls == [None, EMBEDDED_HUB_ID]
+    # with the package present, its error is the one to see
+    monkeypatch.setattr(session_mod.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ModelLoadError, match="not installed"):
+        session_mod.load_default_engine(fake_load)
+
+
+def test_the_model_cache_loads_each_model_once_and_keeps_the_default():
+    calls = []
+
+    def fake_load(model_id, config):
+        calls.append(model_id)
+        if model_id == "bad/id":
+            raise ModelLoadError("could not load model id 'bad/id'")
+        return SimpleNamespace(name=model_id)
+
+    models = ModelCache(keep=2, load=fake_load)
+    assert models.get("").name is None and models.get(" ").name is None and calls == [None]
+    for _ in range(2):  # a failure is not cached: the next try loads again
+        with pytest.raises(ModelLoadError):
+            models.get("bad/id")
+    assert calls == [None, "bad/id", "bad/id"]
+    models.get("a/one")
+    models.get("b/two")  # evicts a/one, never the default
+    assert models.loaded("") and models.loaded("b/two") and not models.loaded("a/one")
+
+
+def test_a_session_keeps_its_matrix_across_runs(tiny_folder):
+    _, model, tokenizer = tiny_folder
+    base = Engine(model, tokenizer)
+    s = Session()
+    first, _ = s.engine(base, "", "small", 8, hot_start=True)
+    assert first.matrix is s.matrix and first.tree.name == "small"
+    s.begin_run("", "small", 8, s.matrix_start(True), True)
+    second, note = s.engine(base, "", "tiny", 8, hot_start=True)
+    assert second.matrix is s.matrix and note.endswith("then taught by your 1 earlier run")
+    copy, _ = s.engine(base, "", "small", 8, hot_start=True, keep=False)  # the race measures on a copy
+    assert copy.matrix is not s.matrix and torch.equal(copy.matrix.rows, s.matrix.rows)
+    cold, note = s.engine(base, "", "small", 8, hot_start=False)
+    assert cold.matrix is not s.matrix and not cold.matrix.rows.any() and "hot start is off" in note
+    other_k, _ = s.engine(base, "", "small", 4, hot_start=True)  # another k: a new matrix
+    assert other_k.matrix.k == 4 and s.matrix is other_k.matrix and s.runs_on_matrix == 0
+    with pytest.raises(ValueError, match="needs top_k >= 8"):
+        s.engine(base, "", "paper", 4, hot_start=True)
+
+
+# --- the launched app through its named endpoints (the embedded model) ----------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def app_models():
+    """One model cache for every launched app of the test session: the embedded model loads once."""
+    return ModelCache()
+
+
+@pytest.fixture(scope="module")
+def served(app_models):
+    app.preload(app_models)  # as `python app.py` does at start: the first Run then only decodes
+    demo = app.build_app(app_models)
+    _, url, _ = app.launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
+                           quiet=True)
+    yield url
+    demo.close()
+
+
+@pytest.fixture()
+def client(served):
+    from gradio_client import Client
+
+    return Client(served, verbose=False)
+
+
+def node_markers(plot: dict) -> int:
+    """Points drawn by a tree figure's node traces (the legend keys draw none)."""
+    figure = json.loads(plot["plot"])
+    return sum(len(t["x"]) for t in figure["data"] if t.get("mode") == "markers+text")
+
+
+def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
+    job = client.submit(PROMPT, NEW_TOKENS, "small", 8, True, "", api_name="/live")
+    updates = list(job)
+    answers = [u[0] for u in updates if isinstance(u[0], str) and "data-steps" in u[0]]
+    steps = [int(re.search(r'data-steps="(\d+)"', a).group(1)) for a in answers]
+    assert len(set(steps)) >= 3 and steps == sorted(steps), "the answer streams step by step"
+    final = job.result()
+    values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', final[1]))
+    plain = app_models.get("").generate(PROMPT, NEW_TOKENS, method="plain")
+    assert visible_text(final[0]) == plain.text, "Token Recycling through the app equals plain greedy decoding"
+    assert int(values["tokens"]) == len(plain.token_ids)
+    assert int(values["steps"]) == steps[-1] and float(values["tokens_per_s"]) > 0
+    assert "finished" in final[1]
+    trees = [u[2] for u in updates if isinstance(u[2], dict) and u[2].get("type") == "plotly"]
+    assert trees and all(node_markers(t) == 13 + 1 for t in trees)  # the small tree's 13 nodes and the bonus
+    assert "<td>live</td>" in final[5]
+
+    shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
+    assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
+    assert json.loads(shown[1]["plot"])["layout"]["title"]["text"].startswith("step 0 (tr, tree small)")
+
+
+def test_sessions_do_not_share_runs(client, served):
+    from gradio_client import Client
+
+    other = Client(served, verbose=False)
+    client.predict(PROMPT, 8, "tiny", 8, True, "", api_name="/live")
+    answer = other.predict(0, api_name="/step")[0]
+    assert not isinstance(answer, str), "a new session has no run to show"
+    reset = client.predict(api_name="/reset")
+    assert "No runs yet" in reset[-1]
+
+
+def test_the_race_measures_three_methods_and_checks_each_against_plain(client):
+    status, _, table, _, history = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", api_name="/race")
+    assert status.startswith("Measured")
+    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"><td>[^<]*</td><td>([\d.]+)</td>'
+                      r"<td>([\d.]+)×</td>", table)
+    assert [r[0] for r in rows] == ["plain", "pld", "tr"] and rows[0][3] == "1.00"
+    for method, identical, tokens_per_s, speedup in rows:
+        assert float(tokens_per_s) > 0
+        # a difference from plain decoding (possible at fp32 near-ties) must be spelled out, never hidden
+        assert identical == "true" or f'<div class="tr-diff" data-method="{method}">' in table
+    assert history.count("<td>race: ") == 3
+    status, lanes, plot = client.predict(api_name="/replay")  # the side-by-side replay of those runs
+    assert status.startswith("Done") and lanes.count("— done,") == 3
+    assert [t["name"].split(":")[0] for t in json.loads(plot["plot"])["data"]] == ["plain", "pld", "tr"]
+
+
+def test_stop_ends_the_run_after_its_current_step(client):
+    job = client.submit(PROMPT, 256, "small", 8, True, "", api_name="/live")
+    for update in job:
+        shown = re.search(r'data-steps="(\d+)"', update[0]) if isinstance(update[0], str) else None
+        if shown and int(shown.group(1)) >= 3:
+            break
+    client.predict(api_name="/stop")  # the same session
+    final = job.result()
+    values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', final[1]))
+    assert "stopped by you" in final[1] and 3 <= int(values["steps"]) < 60
+    assert "<td>live (stopped)</td>" in final[5]
+
+
+def test_a_model_that_cannot_load_leaves_the_app_usable(client):
+    message = client.predict("no-such-org/no-such-model", api_name="/load_model")
+    assert message.startswith("**Not loaded.** could not load model id 'no-such-org/no-such-model'")
+    with pytest.raises(Exception, match="could not load model id"):
+        client.predict(PROMPT, 8, "small", 8, True, "no-such-org/no-such-model", api_name="/live")
+    final = client.predict(PROMPT, 8, "small", 8, True, "", api_name="/live")
+    assert 'data-key="tokens" data-value="8"' in final[1]
+
+
+def test_a_local_model_folder_loads_and_decodes(client, tiny_folder):
+    folder = str(tiny_folder[0])
+    assert client.predict(folder, api_name="/load_model").startswith(f"**Loaded** {folder}:")
+    final = client.predict(PROMPT, 8, "tiny", 4, False, folder, api_name="/live")
+    assert "finished" in final[1]

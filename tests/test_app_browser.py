@@ -1,0 +1,153 @@
+"""The app end to end in headless Chromium, as a user meets it: type a prompt, run, watch tokens stream and the
+draft tree draw, scrub and play the steps, run the race. Every request stays on 127.0.0.1 and the console stays
+clean. Screenshots go to $APP_SHOTS_DIR (default: the test's temporary folder).
+
+Needs Debian's Chromium at /usr/bin/chromium (scripts/test.sh installs it) and the `playwright` package; the
+browser that `playwright install` would download is not used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from test_app import app_models, served  # noqa: F401  (fixtures: the launched app on the embedded model)
+from tr_core.spec_bench import load_questions, stratified
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+PROMPT = "Explain how a bicycle works, in a few sentences."
+NEW_TOKENS = 24
+RACE_TOKENS = 16
+LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")  # gradio + pandas 3
+
+if not CHROMIUM.exists():
+    # CI installs it (scripts/test.sh); a developer machine without it skips, but CI must not pass without it.
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{CHROMIUM} is missing: run scripts/test.sh, which installs it")
+    pytest.skip(f"{CHROMIUM} is missing (scripts/test.sh installs it)", allow_module_level=True)
+sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture()
+def shots(tmp_path) -> Path:
+    folder = Path(os.environ.get("APP_SHOTS_DIR") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def tree_size(status: str) -> int:
+    """The run's tree from the status line, ``"... tree auto: 12 draft nodes ..."`` -> 13 nodes with the root."""
+    return int(re.search(r"(\d+) draft nodes", status).group(1)) + 1
+
+
+def wait_for(page, predicate: str, timeout_s: float, arg=None):
+    return page.wait_for_function(predicate, arg=arg, timeout=timeout_s * 1000)
+
+
+def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1366, "height": 900})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+
+    started = time.perf_counter()
+    page.goto(served)
+    page.wait_for_selector("#run")
+    print(f"page ready in {time.perf_counter() - started:.2f} s")
+    page.screenshot(path=shots / "01_ready.png", full_page=True)
+
+    # an example question fills the prompt box; then the user types their own
+    qa = next(q.prompt for q in stratified(load_questions(), 1) if q.category == "qa")
+    page.locator("#example input").click()
+    page.get_by_role("option", name=re.compile(r"^qa: ")).click()
+    wait_for(page, "q => document.querySelector('#prompt textarea').value === q", 10, qa)
+    page.locator("#prompt textarea").fill(PROMPT)
+    tokens_box = page.locator("#max-new input[type=number]")
+    tokens_box.fill(str(NEW_TOKENS))
+    tokens_box.press("Enter")
+
+    # Run: the answer streams step by step
+    clicked = time.perf_counter()
+    page.click("#run")
+    page.wait_for_selector("#answer .tr-step", timeout=60_000)
+    print(f"first streamed token {time.perf_counter() - clicked:.2f} s after the click")
+    seen = set()
+    while len(seen) < 3:
+        seen.add(page.locator("#answer .tr-step").count())
+        if page.locator("#counters .tr-status").inner_text().startswith("finished"):
+            break
+        time.sleep(0.05)
+    page.screenshot(path=shots / "02_streaming.png")
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished')", 120)
+    steps = page.locator("#answer .tr-step").count()
+    status = page.locator("#counters .tr-status").inner_text()
+    print(f"status: {status}")
+    nodes = tree_size(status)
+    assert len(seen) >= 2 or steps <= 2, "the answer grew in several updates, not all at once"
+    counters = dict(zip(page.locator("#counters .tr-stat").evaluate_all("els => els.map(e => e.dataset.key)"),
+                        page.locator("#counters .tr-stat").evaluate_all("els => els.map(e => e.dataset.value)")))
+    print(f"counters shown: {counters}")
+    assert int(counters["steps"]) == steps and int(counters["tokens"]) <= NEW_TOKENS
+    assert float(counters["tokens_per_s"]) > 0
+    # the drawn tree of the last step (plotly draws after the text arrives): every node of the template plus the
+    # bonus token
+    wait_for(page, "t => (document.querySelector('#tree-plot .gtitle')?.textContent || '').startsWith(t)", 10,
+             f"step {steps - 1} (tr, tree ")
+    assert page.locator("#tree-plot .scatterlayer path.point").count() == nodes + 1
+    assert page.locator("#matrix-plot .js-plotly-plot").count() == 1
+    page.screenshot(path=shots / "03_finished.png", full_page=True)
+
+    # The step slider scrubs back: step 1's tree, and step 1 outlined in the answer
+    slider = page.locator("#step input[type=range]")
+    slider.focus()
+    page.keyboard.press("Home")
+    page.keyboard.press("ArrowRight")
+    wait_for(page, "() => (document.querySelector('#tree-plot .gtitle')?.textContent || '').startsWith('step 1 ')", 15)
+    assert page.locator("#answer .tr-current").get_attribute("data-step") == "1"
+    assert page.locator("#tree-plot .scatterlayer path.point").count() == nodes + 1
+    page.screenshot(path=shots / "04_step_1.png", full_page=True)
+
+    # Play walks forward on its own; Pause stops it
+    page.click("#play")
+    wait_for(page, "() => /^step [2-9]/.test(document.querySelector('#tree-plot .gtitle')?.textContent || '')", 15)
+    page.click("#pause")
+
+    # The race: three measured runs, replayed, then the table and the chart
+    page.get_by_role("tab", name=re.compile("^Race")).click()
+    tokens_box.fill(str(RACE_TOKENS))
+    tokens_box.press("Enter")
+    page.click("#race-run")
+    page.wait_for_selector("#race-status :text('Replaying')", timeout=180_000)
+    page.screenshot(path=shots / "05_race_replay.png", full_page=True)
+    page.wait_for_selector("#race-status :text('Done')", timeout=120_000)
+    rows = page.locator("#race-table tr[data-method]")
+    assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == ["plain", "pld", "tr"]
+    for method, identical in zip(["plain", "pld", "tr"], rows.evaluate_all("els => els.map(e => e.dataset.identical)")):
+        assert identical == "true" or page.locator(f"#race-table .tr-diff[data-method={method}]").count() == 1
+    assert page.locator("#lanes .tr-lane").count() == 3
+    assert page.locator("#race-plot .scatterlayer .trace").count() == 3
+    print("race table:\n" + page.locator("#race-table table").inner_text())
+    page.screenshot(path=shots / "06_race_done.png", full_page=True)
+
+    outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob") and urlparse(u).hostname
+               not in LOCAL_HOSTS]
+    assert not outside, f"requests left 127.0.0.1: {outside}"
+    assert not errors, f"console errors: {errors}"
+    page.close()

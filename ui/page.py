@@ -1,0 +1,57 @@
+"""The page's words and look: the teaching text (kept as data, apart from the wiring) and the CSS of the HTML that
+``ui.render`` writes. Colours follow ``visualize.palette``: blue is the accepted path, orange the bonus token."""
+
+INTRO = """\
+# ♻️ Token Recycling, live
+Speculative decoding with no draft model ([arXiv 2408.08696](https://arxiv.org/abs/2408.08696)). Every forward pass
+ranks the whole vocabulary; Token Recycling keeps the top *k* candidates after each token in an **adjacency matrix**
+instead of throwing them away. Each step it grows a **draft tree** from that matrix, starting at the last token,
+checks the whole tree in **one forward pass**, keeps the longest path the model agrees with plus the model's own next
+token (the **bonus token**), and writes the new candidates back into the matrix. The answer is exactly plain greedy
+decoding's; only the number of forward passes shrinks."""
+
+RACE_INTRO = """\
+The same prompt through plain greedy decoding, Prompt Lookup Decoding (drafts copied from the prompt) and Token
+Recycling, with the model, tree and k above. Each is **measured alone**, one after another, so that none shares the
+CPU with another; then the three runs are **replayed side by side at the speed each was measured at**. All three must
+give the same answer as plain decoding: a difference (possible at floating-point near-ties) is shown, not hidden."""
+
+TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last token), the drafts the matrix "
+                    "proposed,<br>the path the model accepted, and the bonus token it added itself.")
+MATRIX_PLACEHOLDER = ("The adjacency-matrix rows each step rewrote appear here: before (where the drafts came from)<br>"
+                      "and after (the model's new top-k candidates at each tree node).")
+RACE_PLACEHOLDER = "Tokens produced against time, one line per method, as measured, appear here."
+
+CSS = """
+#intro p { font-size: 14px; }
+.tr-answer { white-space: pre-wrap; line-height: 1.7; font-size: 15px; min-height: 6em; padding: 8px 10px;
+             border: 1px solid var(--border-color-primary); border-radius: 6px; }
+.tr-empty { color: var(--body-text-color-subdued); }
+.tr-draft { background: rgba(0, 114, 178, 0.16); border-bottom: 2px solid #0072B2; }
+.tr-bonus { background: rgba(230, 159, 0, 0.22); border-bottom: 2px solid #E69F00; }
+.tr-step:not(.tr-multi) > .tr-bonus { background: none; border-bottom: none; }
+.tr-current { outline: 2px dashed #444; outline-offset: 1px; border-radius: 2px; }
+.tr-legend { font-size: 13px; margin: 0 0 6px; color: var(--body-text-color-subdued); }
+.tr-legend span { padding: 0 3px; color: var(--body-text-color); }
+.tr-counters { display: grid; grid-template-columns: repeat(4, 1fr); gap: 10px; }
+.tr-stat { border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 4px 12px;
+           display: flex; align-items: baseline; gap: 8px; }
+.tr-stat b { font-size: 22px; font-variant-numeric: tabular-nums; }
+.tr-stat span { font-size: 13px; color: var(--body-text-color-subdued); }
+.tr-status { font-size: 13px; margin-top: 6px; min-height: 1.2em; color: var(--body-text-color-subdued); }
+.tr-lanes { display: grid; grid-template-columns: repeat(3, 1fr); gap: 12px; }
+.tr-lane h4 { margin: 0 0 6px; padding-left: 8px; border-left: 5px solid #000; }
+.tr-lane-pld h4 { border-left-color: #D55E00; }
+.tr-lane-tr h4 { border-left-color: #0072B2; }
+.tr-lane .tr-answer { min-height: 12em; font-size: 14px; }
+.tr-lane-foot { font-size: 13px; margin-top: 4px; color: var(--body-text-color-subdued); }
+.tr-table { border-collapse: collapse; width: 100%; font-size: 14px; margin: 8px 0; border: none !important; }
+.tr-table th, .tr-table td { border: none !important; border-bottom: 1px solid var(--border-color-primary) !important;
+                             padding: 4px 10px; text-align: left; }
+.tr-table tr { border: none !important; }
+.tr-table th { font-weight: 600; }
+.tr-same { color: #009E73; font-weight: 600; }
+.tr-differs { color: #D55E00; font-weight: 600; }
+.tr-diff { font-size: 14px; margin: 6px 0; white-space: pre-wrap; }
+.tr-diff del { background: rgba(0, 0, 0, 0.08); } .tr-diff ins { background: rgba(213, 94, 0, 0.18); }
+"""
