@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections import Counter
@@ -169,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
     curve = measure_forward_ms(base.model)
     print(f"mode {mode_dtype(args.mode)[1]}; torch threads {torch.get_num_threads()}")
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: load average {load_before:.1f} before the run: another process is using the CPU, and torch's "
+              "threads slow down badly when they share cores; timings will be unreliable")
     print(f"hot start: {hot.name if hot else 'none (no shipped matrix: cold start)'}, carried across questions")
     if fitted:
         print(f"fitted tree: {fitted.tree.size} nodes (depth {fitted.tree.max_depth}), predicted mean accepted "
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model or "embedded", "hot_start": hot.name if hot else None,
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "seconds": round(time.perf_counter() - started, 1),
+        "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
             "node_paths": [list(p) for p in fitted.tree.node_paths],
