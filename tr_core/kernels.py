@@ -48,13 +48,15 @@ class OutputHead:
         head = model.get_output_embeddings()
         self.weight = head.weight  # (V, d), shared with the input embedding when tied
         self.bias = getattr(head, "bias", None)
-        self.on_cpu = self.weight.device.type == "cpu"
+        # the layouts were chosen by fp32 timings; emulated bf16 matmuls behave differently (a one-row bf16 product
+        # from the transposed copy was measured several times slower), so other dtypes keep F.linear
+        self.on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
         self._transposed = self.weight.detach().t().contiguous() if self.on_cpu else None  # (d, V), one copy
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` (n, d) -> logits (n, V)."""
         if not self.on_cpu:
-            logits = hidden @ self.weight.t()
+            logits = torch.nn.functional.linear(hidden, self.weight)
         elif hidden.shape[0] == 1:
             logits = hidden @ self._transposed
         else:
