@@ -42,7 +42,7 @@ def _cpu_name() -> str:
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
-    kernels = "head2"  # the output-layer kernels of kernels.OutputHead; bump when the forward path changes
+    kernels = "head3"  # the output-layer kernels of kernels.OutputHead; bump when the forward path changes
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
