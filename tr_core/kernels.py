@@ -2,8 +2,8 @@
 with):
 
 - ``exact``: fp32, the model's own numerics; outputs equal plain fp32 decoding up to float near-ties.
-- ``fast``: bf16. A decoding step on a CPU is memory-bound, and bf16 halves the weight traffic: one-token steps get
-  faster on every x86 CPU measured here. Where the processor lacks native bf16 arithmetic (no AVX-512 BF16 / AMX),
+- ``fast``: bf16. A decoding step on a CPU is memory-bound, and bf16 halves the weight traffic: a one-token forward
+  took ~38 ms in bf16 against ~60 ms in fp32 on this project's AVX2 machine (with F.linear as the output layer). Where the processor lacks native bf16 arithmetic (no AVX-512 BF16 / AMX),
   large batched forwards get slower instead, so the fitted tree (calibrated per dtype) comes out small.
 """
 
