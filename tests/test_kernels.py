@@ -22,3 +22,32 @@ def test_modes():
         assert "exact, fast" in str(e)
     else:
         raise AssertionError("unknown mode accepted")
+
+
+def test_row_fitted_linear_equals_f_linear_for_every_row_count():
+    from tr_core.kernels import ROW_FITTED_MAX_ROWS, RowFittedLinear
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = torch.nn.Linear(48, 80, bias=bias)
+        fitted = torch.nn.Linear(48, 80, bias=bias)
+        fitted.load_state_dict(layer.state_dict())
+        fitted.__class__ = RowFittedLinear
+        for rows in (1, 2, 3, 5, 8, 33, ROW_FITTED_MAX_ROWS, ROW_FITTED_MAX_ROWS + 1):
+            for shape in ((rows, 48), (1, rows, 48)):
+                x = torch.randn(*shape)
+                out = fitted(x)
+                assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
+                torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fit_linears_touches_only_fp32_body_linears_and_keeps_the_outputs():
+    from tr_core.kernels import RowFittedLinear, fit_linears
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    before = model(input_ids=ids).logits
+    n = fit_linears(model)
+    assert n == sum(isinstance(m, RowFittedLinear) for m in model.base_model.modules()) > 0
+    assert fit_linears(model) == n  # idempotent
+    assert not isinstance(model.get_output_embeddings(), RowFittedLinear)  # the head has its own kernels
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert fit_linears(tiny_model("llama")) == 0  # the float64 test models keep torch's own kernels

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .decoding import _tree_mask
-from .kernels import OutputHead
+from .kernels import OutputHead, RowFittedLinear
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
@@ -42,7 +42,9 @@ def _cpu_name() -> str:
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
-    kernels = "head3"  # the output-layer kernels of kernels.OutputHead; bump when the forward path changes
+    # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
+    # version when the forward path changes
+    kernels = "head4" + ("-rowfit" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)

@@ -14,14 +14,14 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .decoding import DecodeResult, Drafter, decode, run
+from .decoding import DecodeResult, Drafter, _max_positions, decode, run
 from .drafters import PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
 from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
-from .kernels import MODES, OutputHead, mode_dtype
+from .kernels import MODES, OutputHead, fit_linears, mode_dtype
 from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -81,6 +81,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        fit_linears(model)  # the body's matmul layout for small trees (fp32 CPU only; see kernels.RowFittedLinear)
         self.head = OutputHead(model)
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
@@ -91,6 +92,11 @@ class Engine:
              dtype: torch.dtype | None = None) -> "Engine":
         model, tokenizer = load_model(model_id, dtype=mode_dtype(config.mode)[0] if dtype is None else dtype)
         return cls(model, tokenizer, config)
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the model takes, prompt and answer together (``None`` if its config does not say)."""
+        return _max_positions(self.model)
 
     def fresh_matrix(self) -> AdjacencyMatrix:
         """The starting matrix: the hot-start file if the config names one, else an empty (cold) matrix."""

@@ -10,6 +10,7 @@ with):
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 MODES = ("exact", "fast")
 
@@ -34,15 +35,43 @@ def mode_dtype(mode: str) -> tuple[torch.dtype, str]:
     return torch.bfloat16, f"fast: bf16 ({native})"
 
 
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` prepacked for oneDNN's linear, or None where this torch build or CPU cannot run it."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        probe = torch.ops.mkldnn._linear_pointwise(torch.ones(3, weight.shape[1]), packed, None, "none", [], "")
+        if probe.shape != (3, weight.shape[0]):
+            return None
+        return packed
+    except (AttributeError, RuntimeError):
+        return None
+
+
 class OutputHead:
     """The model's output layer, computed with the matmul layout that is fastest for the number of rows.
 
     The engine runs the base model (``model.base_model``) and applies this head to its final hidden states, so the
-    output layer is computed only for the positions it needs (none at prefill). On CPUs, torch's ``F.linear`` for the
-    49,152 x 576 output layer of the embedded model took 9.4 ms for one row and ~20 ms for 2-8 rows; ``h @ W^T``
-    from a transposed copy took 5.9 ms for one row, and ``(W @ h^T)^T`` 7-10 ms for 2-8 rows. Same maths, other
-    summation order: results agree to float rounding.
+    output layer is computed only for the positions it needs (none at prefill). On CPUs (fp32), for the 49,152 x 576
+    output layer of the embedded model, followed by the step's argmax and top-8 (measured alone, ms):
+
+    ======  ========  ===============  =================
+    rows    F.linear  (W @ h^T)^T      oneDNN prepacked
+    ======  ========  ===============  =================
+    2       19.9      6.1              7.7
+    4       22.1      8.8              12.5
+    8       23.3      15.8             14.0
+    16      26.5      21.2             15.4
+    32      46.5      32.9             26.2
+    81      58.4      73.2             51.4
+    ======  ========  ===============  =================
+
+    and for one row (no top-k) ``h @ W^T`` from a transposed copy took 5.4 ms against 11.2 for F.linear. So: one
+    row from the transposed copy, 2-5 rows as ``(W @ h^T)^T``, more rows through oneDNN where this torch build has it
+    (else ``(W @ h^T)^T``, made contiguous so that the argmax and top-k read rows). Same maths, other summation order:
+    results agree to float rounding.
     """
+
+    ONEDNN_MIN_ROWS = 6
 
     def __init__(self, model: torch.nn.Module):
         head = model.get_output_embeddings()
@@ -52,13 +81,58 @@ class OutputHead:
         # from the transposed copy was measured several times slower), so other dtypes keep F.linear
         self.on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
         self._transposed = self.weight.detach().t().contiguous() if self.on_cpu else None  # (d, V), one copy
+        self._packed = _onednn_pack(self.weight.detach()) if self.on_cpu else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` (n, d) -> logits (n, V)."""
+        """``hidden`` (n, d) -> logits (n, V), contiguous."""
+        rows = hidden.shape[0]
         if not self.on_cpu:
             logits = torch.nn.functional.linear(hidden, self.weight)
-        elif hidden.shape[0] == 1:
+        elif rows == 1:
             logits = hidden @ self._transposed
+        elif rows >= self.ONEDNN_MIN_ROWS and self._packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self._packed, None, "none", [], "")
         else:
             logits = (self.weight @ hidden.t()).t()
+            if rows >= self.ONEDNN_MIN_ROWS:
+                logits = logits.contiguous()
         return logits + self.bias if self.bias is not None else logits
+
+
+# Rows up to which the body's linears use the weight-streaming layout (below); prefill chunks keep F.linear.
+ROW_FITTED_MAX_ROWS = 128
+
+
+class RowFittedLinear(nn.Linear):
+    """A ``nn.Linear`` whose forward picks the matmul layout by the number of rows, for fp32 on CPUs.
+
+    A decoding step streams every weight from memory once, so a forward over a few tree tokens should cost about what
+    one token costs. torch's ``F.linear`` does not get there: over the embedded model's 210 body linears, streamed
+    from memory, it took ~36 ms for one row but 55-75 ms for 2-8 rows, while ``(W @ x^T)^T`` (the weight as the
+    row-major left operand, the activations as a transposed view) took 31-44 ms for 2-5 rows and 55-60 ms for 6-16.
+    One row keeps ``F.linear`` (as fast, and the exact numerics of plain decoding). Same maths: results agree to float
+    rounding. Applied in place by ``fit_linears``; the parameters are untouched.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.dim() > 1 else 1
+        if rows < 2 or rows > ROW_FITTED_MAX_ROWS:
+            return super().forward(x)
+        flat = x.reshape(rows, self.in_features)
+        # a contiguous result: the next layer's matmul would take the slow path on a transposed view
+        out = torch.mm(self.weight, flat.t()).t().contiguous()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def fit_linears(model: nn.Module) -> int:
+    """Switch the plain ``nn.Linear`` layers of ``model.base_model`` to ``RowFittedLinear`` where the weights are fp32
+    on the CPU (other dtypes and devices keep their own kernels). Idempotent; returns how many layers use it."""
+    count = 0
+    for module in model.base_model.modules():
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            module.__class__ = RowFittedLinear
+        if type(module) is RowFittedLinear:
+            count += 1
+    return count
