@@ -24,6 +24,7 @@ from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER
 from ui.render import (ANSWER_LEGEND, Counters, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
                        history_html, lanes_html, method_label, race_table_html)
 from ui.session import ModelCache, Session, tree_choices, tree_note  # noqa: E402
+from ui.explain import build_tab as explain_tab  # noqa: E402
 from visualize import matrix_figure, race_figure, tree_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
@@ -305,6 +306,7 @@ def build_app(models: ModelCache | None = None) -> gr.Blocks:
                 table = gr.HTML(elem_id="race-table")
                 race_plot = gr.Plot(placeholder(RACE_PLACEHOLDER), label="Tokens against time, as measured",
                                     show_label=False, elem_id="race-plot")
+            explain_tab()  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
 
         settings = [prompt, max_new, tree, top_k, hot, model_id, session]
