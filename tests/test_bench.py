@@ -25,4 +25,21 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert results["methods"]["plain"]["mean_accepted_tokens"] == 1.0
     assert results["config"]["hot_start_carried_across_questions"] is True
     assert "## overall" in printed and "| tr-paper |" in printed
-    assert (out / "report.md").is_file() and (out / "speedup.html").is_file()
+    assert (out / "report.md").is_file() and (out / "speedup.html").is_file() and (out / "tree_size.html").is_file()
+    assert results["methods"]["tr-paper"]["tree_nodes"] == 81 and results["config"]["compiled"] is False
+
+
+def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():
+    from visualize import tree_size_figure
+    table = [{"nodes": n, "expected_accepted": 1 + 0.1 * n, "step_ms": 50 + 5 * n, "predicted_speedup": s}
+             for n, s in [(1, 1.0), (2, 1.2), (4, 1.3), (8, 0.9)]]
+    bench = {"config": {"fitted_tree": {"table": table}}, "methods": {
+        "plain": {"speedup": 1.0, "mean_accepted_tokens": 1.0},
+        "tr": {"speedup": 1.25, "mean_accepted_tokens": 1.45, "tree_nodes": 4},
+        "tr-paper": {"speedup": 0.5, "mean_accepted_tokens": 2.3, "tree_nodes": 81}}}
+    fig = tree_size_figure(bench)
+    line, *markers = fig.data
+    assert list(line.x) == [1, 2, 4, 8] and list(line.y) == [1.0, 1.2, 1.3, 0.9]
+    assert [(m.name, list(m.x), list(m.y)) for m in markers] == [("tr (measured)", [4], [1.25]),
+                                                                  ("tr-paper (measured)", [81], [0.5])]
+    assert "MAT 2.30" in markers[1].text[0]

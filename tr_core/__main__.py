@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="seed the matrix from the prompt's prefill logits (default: on)")
     p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model body: faster steps after 1.5-3 minutes per shape class of compiling")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--trace", default=None, help="write every step event to this JSON file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
         config = EngineConfig(method=args.method, tree=args.tree, top_k=args.top_k, seed_from_prompt=args.seed_prompt,
-                              mode=args.mode)
+                              mode=args.mode, compile=args.compile)
         engine = Engine.load(args.model, config)
         if args.matrix == "shipped":
             engine = engine.with_config(matrix_path=engine.shipped_matrix_path())

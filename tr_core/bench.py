@@ -1,7 +1,8 @@
 """Spec-Bench benchmark: every method on the same questions, interleaved question by question in one process.
 
     python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128]
-                            [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--out bench_out]
+                            [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--compile]
+                            [--out bench_out]
 
 Methods: ``plain`` (greedy, one token per forward), ``pld`` (Prompt Lookup), ``tr`` (Token Recycling with the tree
 fitted to this machine, matrix seeded from each prompt), ``tr-paper`` (the paper's 81-node tree), and ``tr-cold``
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tree sizes)")
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model body for every method (minutes of compiling first; kernels.py)")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -164,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown methods {unknown}" if unknown else "--per-category and --max-new-tokens must be >= 1")
 
     questions = stratified(load_questions(args.questions), args.per_category)
-    base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode))
+    base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode,
+                                                          compile=args.compile))
     hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
     runners = build_runners(base, methods, hot)
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
     curve = measure_forward_ms(base.model)
-    print(f"mode {mode_dtype(args.mode)[1]}; torch threads {torch.get_num_threads()}")
+    print(f"mode {mode_dtype(args.mode)[1]}{', compiled body' if args.compile else ''}; "
+          f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
         print(f"warning: load average {load_before:.1f} before the run: another process is using the CPU, and torch's "
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = list(dict.fromkeys(q.category for q in questions))
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode)[1],
+        "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None,
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "seconds": round(time.perf_counter() - started, 1),
@@ -244,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    report = [f"# Spec-Bench, {len(questions)} questions, {args.max_new_tokens} new tokens, mode {args.mode}", "",
+    compiled = ", compiled body" if args.compile else ""
+    report = [f"# Spec-Bench, {len(questions)} questions, {args.max_new_tokens} new tokens, mode {args.mode}{compiled}", "",
               "## overall", markdown_table(results)]
     for c in categories:
         report += ["", f"## {c}", markdown_table(results, c)]
@@ -272,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(text + "\n")
     print(text)
     try:
-        from visualize.charts import speedup_figure  # the chart is drawn by the figures package, if installed
+        from visualize.charts import speedup_figure, tree_size_figure  # drawn by the figures package, if installed
 
         speedup_figure(results).write_html(out / "speedup.html", include_plotlyjs=True)
-        print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.html'}")
+        tree_size_figure(results).write_html(out / "tree_size.html", include_plotlyjs=True)
+        print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.html'}, {out / 'tree_size.html'}")
     except ImportError:
         print(f"\nwrote {out / 'results.json'}, {out / 'report.md'} (no chart: visualize not importable)")
     return 0

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .decoding import _tree_mask
-from .kernels import OutputHead, RowFittedLinear
+from .kernels import OutputHead, RowFittedLinear, body, is_compiled
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
@@ -45,6 +45,7 @@ def machine_key(model: PreTrainedModel) -> str:
     # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
     # version when the forward path changes
     kernels = "head4" + ("-rowfit" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
+    kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
@@ -66,7 +67,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     vocab = model.get_output_embeddings().weight.shape[0]
     ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
     cache = DynamicCache(config=model.config)
-    base, head = model.base_model, OutputHead(model)
+    base, head = body(model), OutputHead(model)
     base(input_ids=ctx, cache=cache, use_cache=True)
     result = {}
     for n in sizes:

@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .events import RowUpdate, StepEvent
 from .kv import keep_accepted_path
-from .kernels import OutputHead
+from .kernels import OutputHead, body
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
 
@@ -119,7 +119,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     if max_pos is not None and len(prompt_ids) >= max_pos:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
 
-    base, head = model.base_model, head or OutputHead(model)
+    base, head = body(model), head or OutputHead(model)
     seq = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long, device=device)
     seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
     length = len(prompt_ids)

@@ -21,7 +21,7 @@ from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
 from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
-from .kernels import MODES, OutputHead, fit_linears, mode_dtype
+from .kernels import MODES, OutputHead, compile_body, fit_linears, mode_dtype
 from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -40,6 +40,7 @@ class EngineConfig:
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
     mode: str = "exact"  # "exact" (fp32) or "fast" (bf16); see kernels.py
+    compile: bool = False  # torch.compile the model body: faster steps after minutes of compiling (kernels.py)
     pld_max_ngram: int = 3
     pld_max_draft: int = 10
 
@@ -82,6 +83,8 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         fit_linears(model)  # the body's matmul layout for small trees (fp32 CPU only; see kernels.RowFittedLinear)
+        if config.compile:
+            compile_body(model)  # before the tree is fitted: t(N) is calibrated on the compiled body
         self.head = OutputHead(model)
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
@@ -116,6 +119,8 @@ class Engine:
         if "mode" in changes and changes["mode"] != self.config.mode:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
+        if config.compile:
+            compile_body(self.model)
         engine = Engine.__new__(Engine)
         engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head = (
             self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head)

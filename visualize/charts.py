@@ -3,6 +3,7 @@
     race_figure({"plain": events_a, "tr": events_b})     tokens produced against wall-clock time
     speedup_figure(benchmark)                             speedup and mean accepted tokens per category
     accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each step produced
+    tree_size_figure(benchmark)                           predicted and measured speedup against tree size
 
 ``benchmark`` is the benchmark's JSON::
 
@@ -119,5 +120,42 @@ def accepted_length_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure
         barmode="group", height=400, plot_bgcolor="white", margin=dict(l=60, r=20, t=80, b=60),
         title="tokens per step: accepted draft tokens + the bonus token (= len(accepted_path))",
         xaxis=dict(title="tokens produced in one step", dtick=1), yaxis=dict(title="% of steps", gridcolor="#EEEEEE"),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    return fig
+
+
+def tree_size_figure(benchmark: dict) -> go.Figure:
+    """Where the ceiling is: speedup over plain decoding against the number of tree nodes (root included).
+
+    The line is the prediction the fitted tree was chosen by (``config.fitted_tree.table``: the likeliest nodes of
+    the acceptance statistics, expected accepted tokens / calibrated t(N)); the markers are the Token Recycling
+    methods as measured (``tree_nodes``, ``speedup``), labelled with their measured mean accepted tokens."""
+    fitted = (benchmark.get("config") or {}).get("fitted_tree") or {}
+    table = fitted.get("table") or []
+    fig = go.Figure()
+    if table:
+        fig.add_trace(go.Scatter(
+            x=[row["nodes"] for row in table], y=[row["predicted_speedup"] for row in table], name="predicted",
+            mode="lines", line=dict(color=GREY, width=2),
+            customdata=[[row["expected_accepted"], row["step_ms"]] for row in table],
+            hovertemplate="%{x} nodes: predicted %{y:.2f}×<br>expected accepted tokens %{customdata[0]:.2f}, "
+                          "step %{customdata[1]:.0f} ms<extra></extra>"))
+    for index, (method, numbers) in enumerate(benchmark["methods"].items()):
+        if "tree_nodes" not in numbers:
+            continue
+        colour, _ = method_style(method, index)
+        mat = numbers.get("mean_accepted_tokens")
+        fig.add_trace(go.Scatter(
+            x=[numbers["tree_nodes"]], y=[numbers["speedup"]], name=f"{method} (measured)", mode="markers+text",
+            marker=dict(color=colour, size=13, symbol=["circle", "diamond", "square", "triangle-up"][index % 4]),
+            text=[f"{method}: {numbers['speedup']:.2f}×, MAT {mat:.2f}" if mat is not None else method],
+            textposition="top center",
+            hovertemplate=f"{escape(method)}: %{{x}} nodes, measured %{{y:.2f}}×<extra></extra>"))
+    fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"))  # plain decoding itself
+    fig.update_layout(
+        title="speedup over plain decoding against tree size: predicted (line) and measured (markers)",
+        height=440, plot_bgcolor="white", margin=dict(l=60, r=20, t=90, b=60), hovermode="closest",
+        xaxis=dict(title="tree nodes, root included (log scale)", type="log", gridcolor="#EEEEEE"),
+        yaxis=dict(title="speedup over plain", gridcolor="#EEEEEE", rangemode="tozero"),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
     return fig
