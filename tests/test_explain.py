@@ -16,24 +16,25 @@ import pytest
 
 from conftest import ROOT
 from tr_core.spec_bench import load_questions
-from ui import explain
-from ui.explain import STEPS, clamp, explorer_choices, explorer_html, indicator_html, resolve_token, row_history
+from ui import lesson
+from ui.explain import clamp, explorer_choices, explorer_html, indicator_html, resolve_token, row_history
+from ui.lesson import STEPS
 from visualize import ancestor_mask, label, shown_rows
 from visualize.lesson_fig import row_before
 from visualize.tree_fig import LABEL_W, MARKER_GAP
 from visualize.tree_layout import tree_layout
 
-LESSON = explain.load_lesson()
+LESSON = lesson.load_lesson()
 EVENT = LESSON.event
 TITLES = [s.title for s in STEPS]
 
 
 def figure(title: str):
-    return explain.step_figure(LESSON, TITLES.index(title))
+    return lesson.step_figure(LESSON, TITLES.index(title))
 
 
 def text(title: str) -> str:
-    return explain.step_text(LESSON, TITLES.index(title))
+    return lesson.step_text(LESSON, TITLES.index(title))
 
 
 # --- the shipped traces ---------------------------------------------------------------------------------------------
@@ -153,9 +154,9 @@ def test_the_cost_step_quotes_the_matrix_size_and_the_size_table():
 def test_every_step_has_a_title_a_filled_text_and_a_figure():
     assert len(STEPS) == 8
     for i, step in enumerate(STEPS):
-        body = explain.step_text(LESSON, i)
+        body = lesson.step_text(LESSON, i)
         assert step.title and len(body) > 200 and not re.search(r"\{\w+[^}]*\}", body)
-        assert explain.step_figure(LESSON, i).data
+        assert lesson.step_figure(LESSON, i).data
 
 
 def test_navigation_stays_within_the_steps():
@@ -187,7 +188,8 @@ def test_the_explorer_follows_a_tokens_row_through_the_run():
 
 
 def test_the_tab_module_never_imports_torch():
-    code = ("import sys, ui.explain as x; l = x.load_lesson(); [x.step_figure(l, i) for i in range(len(x.STEPS))]; "
+    code = ("import sys, ui.explain as x, ui.lesson as s; l = s.load_lesson(); "
+            "[(s.step_figure(l, i), s.step_text(l, i)) for i in range(len(s.STEPS))]; "
             "x.explorer_html(l, l.event.tree_tokens[0]); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
@@ -230,7 +232,7 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
     url, models = no_model_app
     shots = Path(os.environ.get("APP_SHOTS_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    expected = [str(explain.step_figure(LESSON, i).layout.title.text)[:14] for i in range(len(STEPS))]
+    expected = [str(lesson.step_figure(LESSON, i).layout.title.text)[:14] for i in range(len(STEPS))]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1366, "height": 900})
@@ -251,6 +253,12 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
             page.locator("#explain-tab").scroll_into_view_if_needed()
             time.sleep(0.3)
             page.screenshot(path=shots / f"explain_{i + 1}.png")
+            if STEPS[i].title.startswith("Retrieval"):  # the slider grows the tree: layer 1 = root + its children
+                page.locator("#explain-plot g.slider-container text", has_text="layer 1").first.click(force=True)
+                first_layer = 1 + sum(1 for p in EVENT.tree_parents if p == 0)
+                page.wait_for_function("n => document.querySelectorAll('#explain-plot .scatterlayer path.point')"
+                                       ".length === n", arg=first_layer, timeout=10_000)
+                page.screenshot(path=shots / f"explain_{i + 1}_layer1.png")
             if i < len(STEPS) - 1:
                 page.click("#explain-next")
         assert page.locator("#explain-next").is_disabled()

@@ -1,0 +1,305 @@
+"""The lesson of the "How it works" tab: Token Recycling in eight steps, each drawn from a real recorded run.
+
+The steps are data (``STEPS``: a title, a Markdown text with ``{fields}`` filled from the trace by ``facts``, and a
+function drawing the step's figure from the trace). Everything comes from ``assets/traces/`` (``python -m
+tr_core.record_trace``) and the shipped acceptance statistics: no model, and no torch.
+
+    lesson = load_lesson()
+    step_text(lesson, 2), step_figure(lesson, 2)      # step 3 of 8: retrieval
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from html import escape
+from pathlib import Path
+from typing import Callable
+
+import plotly.graph_objects as go
+
+from visualize import label, load_trace, mask_figure, matrix_figure, text_lookup, tree_figure, visible
+from visualize.lesson_fig import passes_figure, retrieval_figure, row_figure, tree_size_figure
+from visualize.trace import TokenText
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TRACES = ASSETS / "traces"
+ACCEPTANCE = ASSETS / "acceptance"
+RUN_NAMES = {"hot": "hot start", "cold": "cold start"}
+
+
+@dataclass
+class Trace:
+    """One recorded run: its step events, what ``<name>.meta.json`` says about it, and an ``id -> text`` lookup."""
+
+    events: list
+    meta: dict
+    text: TokenText
+
+
+@dataclass
+class Lesson:
+    hot: Trace
+    cold: Trace
+    acceptance: dict  # assets/acceptance/<model>.json
+    featured: int  # the index in ``hot.events`` of the step that steps 2-6 look at
+    figures: dict = field(default_factory=dict, repr=False)  # step index -> its figure, drawn once
+
+    @property
+    def event(self):
+        return self.hot.events[self.featured]
+
+
+def load_run(name: str, folder: Path = TRACES) -> Trace:
+    events = load_trace(folder / f"{name}.json")
+    meta = json.loads((folder / f"{name}.meta.json").read_text(encoding="utf-8"))
+    known = {int(k): v for k, v in meta.get("token_text", {}).items()}
+    own = text_lookup(events)
+    return Trace(events, meta, text_lookup(events, lambda t: known[t] if t in known else own(t)))
+
+
+def featured_step(events: list) -> int:
+    """The step the walkthrough looks at: the first that accepted two or more drafts and rejected others where its
+    path stopped (so that it shows every part of a step); else the step with the longest accepted path."""
+    for i, e in enumerate(events):
+        if e.accepted_draft_tokens >= 2 and e.accepted_path[-1] in e.tree_parents:
+            return i
+    return max(range(len(events)), key=lambda i: events[i].accepted_draft_tokens)
+
+
+@lru_cache(maxsize=4)
+def load_lesson(folder: Path = TRACES) -> Lesson:
+    hot, cold = load_run("hot", folder), load_run("cold", folder)
+    acceptance = json.loads((ACCEPTANCE / f"{hot.meta['model']}.json").read_text())
+    return Lesson(hot, cold, acceptance, featured_step(hot.events))
+
+
+# --- the numbers the texts quote -----------------------------------------------------------------------------------
+
+def _q(text: str) -> str:
+    """A token as inline code for Markdown prose, whitespace made visible: ``' rain'`` -> ``"`␣rain`"``."""
+    return "`" + visible(text).replace("`", "'") + "`"
+
+
+def facts(lesson: Lesson) -> dict:
+    """Every ``{field}`` the step texts use, computed from the traces and the shipped statistics."""
+    e, hot, cold = lesson.event, lesson.hot, lesson.cold
+    text = hot.text
+    meta, t_ms = hot.meta, {int(n): ms for n, ms in hot.meta["calibration"]["t_ms"].items()}
+    sizes = {row["nodes"]: row for row in meta["tree_sizes"]}
+    best = max(meta["tree_sizes"], key=lambda row: row["predicted_speedup"])
+    path_accept = {tuple(p): a for p, a in zip(lesson.acceptance["node_paths"], lesson.acceptance["acceptance"])}
+    on_path = {e.tree_tokens[i] for i in e.accepted_path}
+    first, second = [i for i, p in enumerate(e.tree_parents) if p == 0][:2]  # two guesses for the next token
+    n_cold = 10
+    return dict(
+        prompt=meta["prompt"], model=meta["model"], tree=meta["tree"], nodes=meta["tree_nodes"], k=meta["top_k"],
+        vocab=meta["vocab_size"], tokens=meta["tokens"], steps=meta["steps"], mat=meta["mean_accepted_tokens"],
+        step=e.step, root=_q(text(e.tree_tokens[0])), root_children=sum(1 for p in e.tree_parents if p == 0),
+        depth=_depth(e), sib1=_q(e.tree_text[first]), sib2=_q(e.tree_text[second]),
+        pair=_q(e.tree_text[first] + e.tree_text[second]),
+        acc0=path_accept.get((0,), 0.0), acc1=path_accept.get((1,), 0.0), acc2=path_accept.get((2,), 0.0),
+        accepted=" ".join(_q(e.tree_text[i]) for i in e.accepted_path[1:]) or "none of the guesses",
+        n_accepted=e.accepted_draft_tokens, bonus=_q(text(e.bonus_token)), produced=len(e.new_tokens),
+        rows=len(e.rows_updated), changed=sum(r.old != r.new for r in e.rows_updated),
+        rejected_rows=sum(r.token not in on_path for r in e.rows_updated),
+        hot_steps=meta["steps"], hot_tokens=meta["tokens"], hot_mat=meta["mean_accepted_tokens"],
+        cold_steps=cold.meta["steps"], cold_tokens=cold.meta["tokens"], cold_mat=cold.meta["mean_accepted_tokens"],
+        same_text="Both runs wrote exactly the same text" if hot.meta["text"] == cold.meta["text"] else
+                  "The two texts differ (a floating-point near-tie; see the README)",
+        one_share=sum(len(x.accepted_path) == 1 for x in hot.events) / len(hot.events),
+        n_cold=n_cold, cold_first=_mat(cold.events[:n_cold]), cold_last=_mat(cold.events[-n_cold:]),
+        matrix_bytes=meta["matrix_bytes"], matrix_mib=meta["matrix_bytes"] / 2**20,
+        machine=meta["calibration"]["machine"], t1=t_ms[1], step_ms=sizes[meta["tree_nodes"]]["step_ms"],
+        cost=sizes[meta["tree_nodes"]]["step_ms"] / t_ms[1], t81=sizes[max(sizes)]["step_ms"],
+        cost81=sizes[max(sizes)]["step_ms"] / t_ms[1], paper_nodes=max(sizes),
+        paper_speedup=sizes[max(sizes)]["predicted_speedup"], best_n=best["nodes"],
+        best_speedup=best["predicted_speedup"], best_tokens=best["expected_accepted"],
+    )
+
+
+def _depth(event) -> int:
+    depth = [0] * len(event.tree_parents)
+    for i, p in enumerate(event.tree_parents):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+    return max(depth)
+
+
+def _mat(events: list) -> float:
+    """Tokens per forward pass over some steps."""
+    return sum(len(e.new_tokens) for e in events) / max(1, len(events))
+
+
+# --- the steps ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Step:
+    title: str
+    text: str  # Markdown with {fields} from ``facts``
+    figure: Callable[[Lesson], go.Figure]
+
+
+def _hot_run(lesson: Lesson) -> go.Figure:
+    fig = passes_figure({"hot": lesson.hot.events}, {"hot": "Token Recycling"})
+    return fig.update_layout(title=dict(text=f"the recorded run: “{escape(lesson.hot.meta['prompt'])}”",
+                                        font=dict(size=14)), margin=dict(t=90))
+
+
+def _hot_and_cold(lesson: Lesson) -> go.Figure:
+    fig = passes_figure({"hot": lesson.hot.events, "cold": lesson.cold.events}, RUN_NAMES)
+    return fig.update_layout(title=dict(text="the same prompt, hot start against cold start", font=dict(size=14)),
+                             margin=dict(t=90))
+
+
+def _mask(lesson: Lesson) -> go.Figure:
+    fig = mask_figure(lesson.event)
+    n = len(lesson.event.tree_tokens)
+    return fig.update_layout(title_text=f"step {lesson.event.step}: tree attention over the {n} draft nodes<br>"
+                                        "<span style='font-size:12px;color:#555'>row: the node that looks; column: a node it may look "
+                                        "at</span>")
+
+
+def _recycling(lesson: Lesson) -> go.Figure:
+    """Every row the step rewrote; cell labels cut to fit beside the text (the hover has the whole token)."""
+    fig = matrix_figure(lesson.event, lesson.hot.text, max_rows=len(lesson.event.rows_updated))
+    for heatmap in fig.data[:2]:
+        heatmap.text = [[label(lesson.hot.text(t), 6) for t in row] for row in heatmap.customdata]
+        heatmap.textfont.size = 10
+    return fig
+
+
+def _tree_sizes(lesson: Lesson) -> go.Figure:
+    meta = lesson.hot.meta
+    sizes = [row["nodes"] for row in meta["tree_sizes"]]
+    marks = {f"'{meta['tree']}' ({meta['tree_nodes']})": meta["tree_nodes"], f"paper ({max(sizes)})": max(sizes)}
+    return tree_size_figure(meta["tree_sizes"], marks)
+
+
+STEPS: list[Step] = [
+    Step("Why decoding is slow, and how guessing helps", """\
+A language model writes one **token** (a word or a piece of one) at a time. For each token it runs a **forward
+pass**: every weight of the model is read once, and out comes a score for every token of its vocabulary. The best
+one is written down, and the next pass starts. On the machine that recorded this run, one pass of {model} took
+about **{t1:.0f} ms**, and most of that time goes into reading the weights.
+
+A pass can also check *guesses*. Feed it a few guessed tokens after the text, and it handles them all at once,
+reading the weights only once: at every position it says which token it would itself have written there. That is
+**speculative decoding**: guess several tokens cheaply, check them all in one pass, keep the guesses up to the
+first one the model disagrees with. The text comes out exactly as plain decoding would write it; only the number
+of passes drops.
+
+**Token Recycling** takes its guesses from a table of what the model predicted in earlier passes, at almost no
+cost. In the run recorded here (prompt: *{prompt}*), it wrote **{tokens} tokens in {steps} passes**, where plain
+decoding needs {tokens}. On the right, how many tokens each pass gave: {one_share:.0%} of the passes still gave only
+one, the others two or more.""", _hot_run),
+    Step("The adjacency matrix: what the model predicted before", """\
+Each pass scores all {vocab:,} tokens of the vocabulary, and plain decoding keeps only the best one. Token
+Recycling keeps the **top {k}**: for every token *t* of the vocabulary it remembers the {k} tokens the model
+most recently rated likeliest to come right after *t*. This table, one row per token and {k} columns ranked best
+first, is the **adjacency matrix**.
+
+To guess how the text goes on, look up the row of the **last token written**. Take decoding step {step} of the
+recorded run (its steps are numbered from 0, one forward pass each): the last token is {root}, and its row, in the
+figure, lists what the model expected after {root} when it last saw it. The first {root_children} of them become
+the first guesses.
+
+A row the model never filled is empty (zeros); the guesses drawn from an empty row are useless, but they cost
+nothing more than checking them.""", lambda lesson: row_figure(lesson.event, lesson.hot.text)),
+    Step("Retrieval: a tree of guesses, grown layer by layer", """\
+A single chain of guesses is fragile: once a guess is wrong, everything after it is wasted. So Token Recycling
+guesses a **draft tree**: several alternatives for the next token, and for each of them, alternatives for the
+token after.
+
+The tree grows **breadth first**. Layer 1 comes from the last token's row. For layer 2, each layer-1 token's own
+row is looked up, and its top candidates become its children; and so on. Which ranks each node takes is fixed in
+advance by a **template** (here `{tree}`: {nodes} nodes in {depth} layers), the same at every step. The template
+is lopsided on purpose: the rank-0 guess is the one most often right, so it gets the most children and the
+deepest branch, and lower-ranked guesses get fewer. In the shipped statistics for the paper's tree, the rank-0
+guess for the next token was accepted in {acc0:.0%} of steps, the rank-1 guess in {acc1:.0%}, rank 2 in
+{acc2:.0%}.
+
+Growing the tree takes one table look-up per layer and no model at all. Drag the slider below the figure to build
+it layer by layer; hover over a node to see whose row it came from.""", lambda lesson: retrieval_figure(lesson.event)),
+    Step("One pass checks every branch: tree attention", """\
+The whole tree goes through the model in **one forward pass**, laid out as one sequence: node by node, layer by
+layer ({nodes} tokens here), after the text written so far.
+
+In an ordinary sequence every token sees all the tokens before it. But sibling guesses are alternatives, not a
+sentence: {sib1} and {sib2} are two guesses for the same place, and {pair}, read as one text, is neither
+branch. So the pass gets an
+**attention mask**: a node may look at the text so far, at itself and at its ancestors in the tree, and at
+nothing else; and its position is the text's length plus its depth. Each branch then reads exactly as if it were
+the only continuation, and the model's output at every node is what it would be on that branch alone.
+
+In the figure, row *i* shows what node *i* may look at (the text so far is seen by all and not drawn). Dark blue
+cells belong to the path the model accepted (next step).""", _mask),
+    Step("Verification: keep what the model agrees with, plus one", """\
+After the pass, every node knows the model's own choice for the token after it. Start at the root and step to
+the child whose token is exactly that choice; repeat until no child matches. The nodes walked through form the
+**accepted path**: guesses the model would have written itself. The model's choice after the last accepted node
+is right by definition, so it is kept as well: the **bonus token**.
+
+In decoding step {step} the model accepted {accepted} ({n_accepted} guesses, blue) and added the bonus {bonus} (orange
+star): **{produced} tokens from one pass**. The red crosses are where the path stopped: the model wanted the bonus
+token there instead.
+
+A pass always yields at least its bonus token, so Token Recycling never needs more passes than plain decoding, and
+every token it keeps is the model's own greedy choice: the text is the same.""",
+         lambda lesson: tree_figure(lesson.event, lesson.hot.text)),
+    Step("Recycling: every guess refreshes the table", """\
+The pass has computed the model's scores for the next token at **every** node of the tree, the rejected guesses
+included. Verification only needed the best one at each node; Token Recycling keeps the top {k} and writes them
+into the row of that node's token, replacing what was there. That is the "recycling": candidates other methods
+throw away become the next steps' guesses.
+
+Decoding step {step} rewrote {rows} rows (one per distinct token in its tree); in {changed} of them the
+candidates changed, and {rejected_rows} belong to tokens that were **not** accepted. Why keep rows of rejected
+guesses? A rejected guess was still a plausible token, likely to turn up soon, and its new row says what follows it
+in this very context. The paper compared the two choices: updating
+the rows of all draft tokens gave more accepted tokens per pass than updating only the accepted ones.
+
+Left, the rows as the step found them (its guesses came from here); right, the rows it wrote. Yellow cells
+changed; blue cells are the guesses on the accepted path (left) and the model's choices along it (right).""",
+         _recycling),
+    Step("Hot start and cold start", """\
+The matrix is kept from one request to the next, so what earlier answers taught it helps later ones. Starting
+from a matrix filled by earlier requests is a **hot start**; starting from an empty one is a **cold start** (then
+only the prompt's own tokens have rows, written while the model reads the prompt).
+
+Both runs in the figure decode the same prompt with the same tree; they were recorded, not simulated.
+
+- **Hot start** (the shipped matrix, filled from other prompts): {hot_tokens} tokens in {hot_steps} passes,
+  **{hot_mat:.2f} tokens per pass**.
+- **Cold start**: {cold_tokens} tokens in {cold_steps} passes, **{cold_mat:.2f} tokens per pass**; {cold_first:.2f}
+  in its first {n_cold} passes, {cold_last:.2f} in its last {n_cold}, as its own passes filled the matrix.
+
+{same_text}.""", _hot_and_cold),
+    Step("What it costs", """\
+**Memory.** The matrix holds {vocab:,} × {k} token ids of 4 bytes each: {matrix_bytes:,} bytes,
+**{matrix_mib:.1f} MiB**, small beside the model's own weights (about 540 MB in fp32 for this 135M-parameter
+model). Building the tree is a few table look-ups, and rewriting rows reuses scores the pass computed anyway.
+
+**Time.** The real price is the bigger pass. On a datacenter GPU, checking a tree of about 80 tokens costs about
+as much as a one-token pass, and the paper uses an 81-node tree. On the small CPU that recorded this run it does
+not: a pass over the {nodes}-node tree cost about {cost:.1f}× a one-token pass ({step_ms:.0f} ms), over
+{paper_nodes} nodes {cost81:.1f}× ({t81:.0f} ms).
+
+The figure weighs the two, tree size by tree size: the tokens a pass is expected to yield (from how often each
+node of the paper's tree was accepted on other prompts, likeliest nodes first) against the measured cost of the
+pass. Their ratio, the predicted speedup, peaks at **{best_n} nodes** ({best_speedup:.2f}×, {best_tokens:.2f} tokens
+per pass) on that machine; the paper's tree would be predicted at {paper_speedup:.2f}×. The app's `auto` tree is
+chosen this way for each model and machine: the biggest tree is not the fastest everywhere.""", _tree_sizes),
+]
+
+
+def step_text(lesson: Lesson, index: int) -> str:
+    return STEPS[index].text.format(**facts(lesson))
+
+
+def step_figure(lesson: Lesson, index: int) -> go.Figure:
+    """The figure of step ``index``, drawn once per lesson."""
+    if index not in lesson.figures:
+        lesson.figures[index] = STEPS[index].figure(lesson)
+    return lesson.figures[index]
