@@ -97,7 +97,9 @@ def facts(lesson: Lesson) -> dict:
         prompt=meta["prompt"], model=meta["model"], tree=meta["tree"], nodes=meta["tree_nodes"], k=meta["top_k"],
         vocab=meta["vocab_size"], tokens=meta["tokens"], steps=meta["steps"], mat=meta["mean_accepted_tokens"],
         step=e.step, root=_q(text(e.tree_tokens[0])), root_children=sum(1 for p in e.tree_parents if p == 0),
-        depth=_depth(e), sib1=_q(e.tree_text[first]), sib2=_q(e.tree_text[second]),
+        depth=_depth(e), guesses=meta["tree_nodes"] - 1,
+        small_speedup=sizes[meta["tree_nodes"]]["predicted_speedup"],
+        sib1=_q(e.tree_text[first]), sib2=_q(e.tree_text[second]),
         pair=_q(e.tree_text[first] + e.tree_text[second]),
         acc0=path_accept.get((0,), 0.0), acc1=path_accept.get((1,), 0.0), acc2=path_accept.get((2,), 0.0),
         accepted=" ".join(_q(e.tree_text[i]) for i in e.accepted_path[1:]) or "none of the guesses",
@@ -156,9 +158,9 @@ def _hot_and_cold(lesson: Lesson) -> go.Figure:
 def _mask(lesson: Lesson) -> go.Figure:
     fig = mask_figure(lesson.event)
     n = len(lesson.event.tree_tokens)
-    return fig.update_layout(title_text=f"step {lesson.event.step}: tree attention over the {n} draft nodes<br>"
-                                        "<span style='font-size:12px;color:#555'>row: the node that looks; column: a node it may look "
-                                        "at</span>")
+    subtitle = "<span style='font-size:12px;color:#555'>row: the node that looks; column: a node it may look at</span>"
+    title = f"step {lesson.event.step}: tree attention over the {n} draft nodes"
+    return fig.update_layout(title_text=f"{title}<br>{subtitle}")
 
 
 def _recycling(lesson: Lesson) -> go.Figure:
@@ -193,7 +195,8 @@ of passes drops.
 **Token Recycling** takes its guesses from a table of what the model predicted in earlier passes, at almost no
 cost. In the run recorded here (prompt: *{prompt}*), it wrote **{tokens} tokens in {steps} passes**, where plain
 decoding needs {tokens}. On the right, how many tokens each pass gave: {one_share:.0%} of the passes still gave only
-one, the others two or more.""", _hot_run),
+one, the others two or more. (Whether fewer passes also take less time depends on what the bigger passes cost:
+see step 8.)""", _hot_run),
     Step("The adjacency matrix: what the model predicted before", """\
 Each pass scores all {vocab:,} tokens of the vocabulary, and plain decoding keeps only the best one. Token
 Recycling keeps the **top {k}**: for every token *t* of the vocabulary it remembers the {k} tokens the model
@@ -205,8 +208,8 @@ recorded run (its steps are numbered from 0, one forward pass each): the last to
 figure, lists what the model expected after {root} when it last saw it. The first {root_children} of them become
 the first guesses.
 
-A row the model never filled is empty (zeros); the guesses drawn from an empty row are useless, but they cost
-nothing more than checking them.""", lambda lesson: row_figure(lesson.event, lesson.hot.text)),
+A row never filled is empty (all zeros): guesses drawn from it are useless, and only cost the work of checking
+them.""", lambda lesson: row_figure(lesson.event, lesson.hot.text)),
     Step("Retrieval: a tree of guesses, grown layer by layer", """\
 A single chain of guesses is fragile: once a guess is wrong, everything after it is wasted. So Token Recycling
 guesses a **draft tree**: several alternatives for the next token, and for each of them, alternatives for the
@@ -214,11 +217,11 @@ token after.
 
 The tree grows **breadth first**. Layer 1 comes from the last token's row. For layer 2, each layer-1 token's own
 row is looked up, and its top candidates become its children; and so on. Which ranks each node takes is fixed in
-advance by a **template** (here `{tree}`: {nodes} nodes in {depth} layers), the same at every step. The template
-is lopsided on purpose: the rank-0 guess is the one most often right, so it gets the most children and the
-deepest branch, and lower-ranked guesses get fewer. In the shipped statistics for the paper's tree, the rank-0
-guess for the next token was accepted in {acc0:.0%} of steps, the rank-1 guess in {acc1:.0%}, rank 2 in
-{acc2:.0%}.
+advance by a **template** (here `{tree}`: {nodes} nodes, the root and {guesses} guesses, in {depth} layers), the same
+at every step. The template is lopsided on purpose: the rank-0 guess is the one most often right, so it gets the
+most children and the deepest branch, and lower-ranked guesses get fewer. In the shipped statistics for the
+paper's tree, the rank-0 guess for the next token was accepted in {acc0:.0%} of steps, the rank-1 guess in
+{acc1:.0%}, rank 2 in {acc2:.0%}.
 
 Growing the tree takes one table look-up per layer and no model at all. Drag the slider below the figure to build
 it layer by layer; hover over a node to see whose row it came from.""", lambda lesson: retrieval_figure(lesson.event)),
@@ -230,7 +233,8 @@ In an ordinary sequence every token sees all the tokens before it. But sibling g
 sentence: {sib1} and {sib2} are two guesses for the same place, and {pair}, read as one text, is neither
 branch. So the pass gets an
 **attention mask**: a node may look at the text so far, at itself and at its ancestors in the tree, and at
-nothing else; and its position is the text's length plus its depth. Each branch then reads exactly as if it were
+nothing else; and its position (which the model reads along with the token) is the text's length plus its
+depth. Each branch then reads exactly as if it were
 the only continuation, and the model's output at every node is what it would be on that branch alone.
 
 In the figure, row *i* shows what node *i* may look at (the text so far is seen by all and not drawn). Dark blue
@@ -273,7 +277,7 @@ Both runs in the figure decode the same prompt with the same tree; they were rec
 - **Hot start** (the shipped matrix, filled from other prompts): {hot_tokens} tokens in {hot_steps} passes,
   **{hot_mat:.2f} tokens per pass**.
 - **Cold start**: {cold_tokens} tokens in {cold_steps} passes, **{cold_mat:.2f} tokens per pass**; {cold_first:.2f}
-  in its first {n_cold} passes, {cold_last:.2f} in its last {n_cold}, as its own passes filled the matrix.
+  in its first {n_cold} passes, {cold_last:.2f} in its last {n_cold}, while its own passes filled the matrix.
 
 {same_text}.""", _hot_and_cold),
     Step("What it costs", """\
@@ -289,7 +293,8 @@ not: a pass over the {nodes}-node tree cost about {cost:.1f}× a one-token pass 
 The figure weighs the two, tree size by tree size: the tokens a pass is expected to yield (from how often each
 node of the paper's tree was accepted on other prompts, likeliest nodes first) against the measured cost of the
 pass. Their ratio, the predicted speedup, peaks at **{best_n} nodes** ({best_speedup:.2f}×, {best_tokens:.2f} tokens
-per pass) on that machine; the paper's tree would be predicted at {paper_speedup:.2f}×. The app's `auto` tree is
+per pass) on that machine; a tree the size of `{tree}` at {small_speedup:.2f}×, the paper's tree at
+{paper_speedup:.2f}×. The app's `auto` tree is
 chosen this way for each model and machine: the biggest tree is not the fastest everywhere.""", _tree_sizes),
 ]
 
