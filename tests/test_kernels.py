@@ -51,3 +51,25 @@ def test_fit_linears_touches_only_fp32_body_linears_and_keeps_the_outputs():
     assert not isinstance(model.get_output_embeddings(), RowFittedLinear)  # the head has its own kernels
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
     assert fit_linears(tiny_model("llama")) == 0  # the float64 test models keep torch's own kernels
+
+
+def test_a_compiled_body_is_what_decoding_runs_and_the_output_stays_greedy():
+    from conftest import reference_greedy
+    from tr_core.decoding import run
+    from tr_core.drafters import PlainDrafter, RecyclingDrafter
+    from tr_core.kernels import body, compile_body, is_compiled
+    from tr_core.matrix import AdjacencyMatrix
+    from tr_core.tree import load_template
+    model = tiny_model("llama", dtype=torch.float32)
+    prompt = [3, 17, 42, 8, 99, 5]
+    expected = reference_greedy(model, prompt, 12)
+    assert body(model) is model.base_model and not is_compiled(model)
+    compile_body(model, backend="eager")  # dynamo traces; no code generation: cheap enough for a test
+    assert is_compiled(model) and body(model) is not model.base_model
+    from torch._dynamo.utils import counters
+    counters.clear()
+    assert run(model, prompt, PlainDrafter(), 12).token_ids == expected
+    tree = load_template("small")
+    matrix = AdjacencyMatrix(model.config.vocab_size, 8)
+    assert run(model, prompt, RecyclingDrafter(matrix, tree), 12).token_ids == expected
+    assert counters["stats"]["unique_graphs"] > 0  # decoding went through dynamo, i.e. through the compiled body

@@ -140,17 +140,18 @@ def fit_linears(model: nn.Module) -> int:
     return count
 
 
-def compile_body(model: nn.Module) -> None:
+def compile_body(model: nn.Module, backend: str = "inductor") -> None:
     """Compile ``model.base_model`` with ``torch.compile`` (dynamic shapes) for every later decoding step.
 
     Most of a small model's decoding step on a CPU is not matmul: it is the Python and dispatch work of ~30 layers'
     small ops, which compilation fuses. On the embedded model (fp32, 2 cores), one run measured a one-token forward at
     40-45 ms compiled against 64-66 eager, and a 4-node tree at 50 against 73. The price is the first call of each
     shape class (one token; several tokens; several with a tree mask): 1.5-3 minutes each on 2 cores, cached on disk
-    by inductor for later processes. Idempotent; see ``body``.
+    by inductor for later processes. Idempotent; see ``body``. (``backend="eager"`` traces without generating code:
+    the tests use it to check the wiring cheaply.)
     """
     if model not in _COMPILED:
-        _COMPILED[model] = torch.compile(model.base_model, dynamic=True)
+        _COMPILED[model] = torch.compile(model.base_model, dynamic=True, backend=backend)
 
 
 # model -> its compiled body; kept beside the model, not in it, so its modules and state dict stay as loaded
