@@ -273,6 +273,10 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
         page.wait_for_selector(f'#explorer [data-token="{token}"]', timeout=15_000)
         page.locator("#explorer").scroll_into_view_if_needed()
         page.screenshot(path=shots / "explain_explorer.png")
+        page.get_by_label("cold start").check()  # the other run: its own most rewritten token
+        cold_first = explorer_choices(LESSON.cold)[0][1]
+        page.wait_for_selector(f'#explorer [data-token="{cold_first}"]', timeout=15_000)
+        assert "cold start run" in page.locator("#explorer").inner_text()
         outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob")
                    and urlparse(u).hostname not in {"127.0.0.1", "localhost"}]
         assert not outside, f"requests left 127.0.0.1: {outside}"
