@@ -55,6 +55,14 @@ def test_the_traces_are_small_described_and_one_prompt_hot_and_cold():
         assert all(e.method == "tr" and len(e.tree_tokens) == trace.meta["tree_nodes"] for e in trace.events)
 
 
+def test_the_meta_names_every_token_the_trace_holds():
+    from tr_core.record_trace import token_ids
+
+    for trace in (LESSON.hot, LESSON.cold):
+        assert {str(t) for t in token_ids(trace.events)} == set(trace.meta["token_text"])
+        assert all(trace.text(e.bonus_token) == trace.meta["token_text"][str(e.bonus_token)] for e in trace.events)
+
+
 def test_every_draft_came_from_its_parents_row_as_the_step_found_it():
     """Retrieval, checked on the real trace: node i is rank r of its parent's row before the update."""
     for e in LESSON.hot.events + LESSON.cold.events:
