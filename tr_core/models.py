@@ -50,7 +50,7 @@ def load_model(model_id: str | None = None, dtype: torch.dtype = torch.float32, 
     except Exception as e:  # hub, network, file and format errors all end here
         where = "local folder" if Path(source).exists() else "model id"
         raise ModelLoadError(
-            f"could not load {where} {source!r}: {type(e).__name__}: {_first_line(e)}. "
+            f"could not load {where} {source!r}: {type(e).__name__}: {_first_line(e).rstrip('.')}. "
             "Hub ids need network access to huggingface.co (or a copy in the local hub cache); "
             "without network, use the embedded model."
         ) from None
