@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +21,50 @@ sys.path.insert(0, str(ROOT))
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 VOCAB = 256
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "load: many requests against one launched app (minutes); CI runs them, "
+                                       "-m 'not load' skips them locally")
+
+
+def _on_this_machine(host) -> bool:
+    if host is None:
+        return True
+    host = host.decode() if isinstance(host, bytes) else str(host)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def no_outside_network():
+    """While a module's tests run, every connection and name lookup of this process (the launched app's included)
+    must stay on this machine: one that would leave is refused, and fails the module at the end."""
+    attempts = []
+    connect, connect_ex, getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
+
+    def guarded(real):
+        def attempt(self, address):
+            if self.family in (socket.AF_INET, socket.AF_INET6) and not _on_this_machine(address[0]):
+                attempts.append(address)
+                raise OSError(f"test guard: a connection to {address} would leave this machine")
+            return real(self, address)
+        return attempt
+
+    def lookup(host, *args, **kwargs):
+        if not _on_this_machine(host):
+            attempts.append(host)
+            raise socket.gaierror(f"test guard: looking up {host!r} would leave this machine")
+        return getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = guarded(connect), guarded(connect_ex), lookup
+    yield attempts
+    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+    assert not attempts, f"requests tried to leave this machine: {attempts}"
 
 
 def tiny_config(arch: str, vocab: int = VOCAB):

@@ -151,3 +151,40 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     assert not outside, f"requests left 127.0.0.1: {outside}"
     assert not errors, f"console errors: {errors}"
     page.close()
+
+
+def test_a_refused_prompt_gets_a_clear_message_and_the_next_run_works(browser, served, shots):  # noqa: F811
+    page = browser.new_page(viewport={"width": 1366, "height": 900})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(served)
+    page.wait_for_selector("#run")
+    tokens_box = page.locator("#max-new input[type=number]")
+    tokens_box.fill("8")
+    tokens_box.press("Enter")
+
+    page.locator("#prompt textarea").fill("   \n  ")
+    page.click("#run")
+    toast = page.locator("[data-testid=toast-text]").first
+    toast.wait_for(timeout=30_000)
+    message = toast.inner_text()
+    print(f"the message: {message!r}")
+    assert "The prompt is empty (only spaces or control characters): type a prompt first, or pick an example." \
+        in message
+    assert "Traceback" not in page.content()
+    box = toast.bounding_box()
+    print(f"the message's box: {box}")
+    page.wait_for_timeout(1000)  # the message slides in
+    page.screenshot(path=shots / "07_refused_prompt.png")
+
+    # the same tab runs the next, good prompt
+    page.locator("#prompt textarea").fill("Name three colours.")
+    page.click("#run")
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished')", 120)
+    page.screenshot(path=shots / "08_next_run.png")
+    outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob") and urlparse(u).hostname
+               not in LOCAL_HOSTS]
+    assert not outside, f"requests left 127.0.0.1: {outside}"
+    assert not errors, f"page errors: {errors}"
+    page.close()

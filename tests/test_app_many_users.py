@@ -1,0 +1,394 @@
+"""Many users, bad input and faults, against a launched app on the embedded model through gradio_client: sessions
+never see each other's text, every refused value gets one clear message and the app keeps serving, concurrent
+sessions get what they would alone, Stop frees the worker, memory stays flat, and nothing leaves 127.0.0.1.
+
+The load and memory tests carry the ``load`` marker: CI runs them, ``-m "not load"`` skips them locally.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import os
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import app
+from conftest import ROOT
+from test_app import app_models, free_port, served, visible_text  # noqa: F401  (fixtures)
+from tr_core.models import embedded_model_folder, encode_prompt
+from ui.session import HOT_START_DIR
+
+os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+pytestmark = [pytest.mark.usefixtures("no_outside_network"),
+              pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")]  # gradio + pandas 3
+
+# A made-up word: its tokens are in no row of the shipped hot-start matrix, so a draft tree can only hold them if
+# this word's user taught them to the matrix that drafted it.
+WORD = "Brozzlewick"
+PROMPT_A = f"My cat is called {WORD}. Write two sentences about {WORD}."
+PROMPT_B = "Name three colours, separated by commas."
+TOKENS = 24
+
+
+def client(url):
+    from gradio_client import Client
+
+    return Client(url, verbose=False)
+
+
+def live(c, prompt, tokens=TOKENS, tree="small", k=8, hot=True, model=""):
+    return c.predict(prompt, tokens, tree, k, hot, model, api_name="/live")
+
+
+def status_line(result) -> str:
+    return visible_text(re.search(r'<div class="tr-status">(.*?)</div>', result[1], re.S).group(1))
+
+
+def steps_shown(job, n: int) -> None:
+    """Wait until a streaming /live job has shown ``n`` steps."""
+    for update in job:
+        shown = re.search(r'data-steps="(\d+)"', update[0]) if isinstance(update[0], str) else None
+        if shown and int(shown.group(1)) >= n:
+            return
+    raise AssertionError(f"the run ended before {n} steps")
+
+
+def tree_tokens(events) -> list[list[int]]:
+    return [e["tree_tokens"] for e in events]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_folder())
+
+
+# --- isolation ------------------------------------------------------------------------------------------------------
+
+def test_no_token_of_one_users_text_reaches_another_users_draft_trees(served, tokenizer):  # noqa: F811
+    shipped = set(load_file(HOT_START_DIR / "smollm2-135m-instruct-k8.safetensors")["rows"].flatten().tolist())
+    word = set(tokenizer(f" {WORD}", add_special_tokens=False)["input_ids"]) - shipped
+    assert word, "the made-up word has tokens that the shipped hot-start matrix never proposes"
+
+    def live_and_race(c, prompt):
+        answer = live(c, prompt)
+        c.predict(prompt, TOKENS, "small", 8, True, "", api_name="/race")
+        trace = c.predict(api_name="/trace")
+        return visible_text(answer[0]), trace["live"]["events"], trace["race"]["runs"]
+
+    def tokens_in(*runs) -> set[int]:
+        return {t for run in runs for e in run for t in e["tree_tokens"] + e["new_tokens"]}
+
+    reference = live_and_race(client(served), PROMPT_B)  # user B's requests on a server nobody else used yet
+    a = client(served)
+    _, a_events, a_race = live_and_race(a, PROMPT_A)
+    assert word & {t for e in a_events for t in e["tree_tokens"][1:]}, \
+        "control: user A's matrix learned A's word, and A's draft trees propose it"
+    only_a = (tokens_in(a_events, *a_race.values()) | set(encode_prompt(tokenizer, PROMPT_A))) - shipped \
+        - tokens_in(reference[1], *reference[2].values()) - set(encode_prompt(tokenizer, PROMPT_B))
+    assert word <= only_a
+
+    b = client(served)
+    b_answer, b_events, b_race = live_and_race(b, PROMPT_B)
+    b_trees = {t for run in [b_events, *b_race.values()] for e in run for t in e["tree_tokens"]}
+    assert not only_a & b_trees, "user B's draft trees hold tokens that only user A's text produced"
+    assert b_answer == reference[0]
+    assert tree_tokens(b_events) == tree_tokens(reference[1]), "B's live trees are those of a server without A"
+    assert tree_tokens(b_race["tr"]) == tree_tokens(reference[2]["tr"]), "and so are B's race trees"
+    print(f"A-only tokens: {len(only_a)} ({len(word)} of the word's); B's trees: {len(b_trees)} distinct tokens, "
+          "none of them A's")
+
+    # A's matrix carries A's run into A's next one; Reset puts it back to the shipped hot start
+    live(a, PROMPT_B)
+    assert tree_tokens(a.predict(api_name="/trace")["live"]["events"]) != tree_tokens(reference[1])
+    a.predict(api_name="/reset")
+    assert a.predict(api_name="/trace")["live"]["events"] == []
+    live(a, PROMPT_B)
+    assert tree_tokens(a.predict(api_name="/trace")["live"]["events"]) == tree_tokens(reference[1])
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+LONG = "Write a long story about a bicycle trip across Europe."  # an answer longer than 256 tokens
+GOOD = dict(prompt="Name three colours.", tokens=8, tree="small", k=8, hot=True, model="")
+REFUSED = [  # (changes to a good request, what the message says)
+    (dict(prompt=""), "The prompt is empty (nothing): type a prompt first"),
+    (dict(prompt=None), "The prompt is empty (nothing)"),
+    (dict(prompt=" \n\t  "), "The prompt is empty (only spaces or control characters)"),
+    (dict(prompt="\x00\x07\x1b\x7f"), "The prompt is empty (only spaces or control characters)"),
+    (dict(prompt=42), "The prompt must be text; got 42."),
+    (dict(tokens=0), "Max new tokens must be a whole number from 1 to 256; got 0."),
+    (dict(tokens=-5), "Max new tokens must be a whole number from 1 to 256; got -5."),
+    (dict(tokens=257), "Max new tokens must be a whole number from 1 to 256; got 257."),
+    (dict(tokens=10 ** 12), "Max new tokens must be a whole number from 1 to 256; got 1000000000000."),
+    (dict(tokens=3.5), "Max new tokens must be a whole number from 1 to 256; got 3.5."),
+    (dict(tokens="64"), "Max new tokens must be a whole number from 1 to 256; got '64'."),
+    (dict(tokens=None), "Max new tokens must be a whole number from 1 to 256; got None."),
+    (dict(k=0), "k (candidates per row) must be a whole number from 1 to 16; got 0."),
+    (dict(k=17), "k (candidates per row) must be a whole number from 1 to 16; got 17."),
+    (dict(k=True), "k (candidates per row) must be a whole number from 1 to 16; got True."),
+    (dict(tree="no-such-tree"), "Unknown draft tree 'no-such-tree': choose one of auto, paper,"),
+    (dict(tree="../../../etc/passwd.json"), "Unknown draft tree '../../../etc/passwd.json'"),
+    (dict(tree={"": 2}), "Unknown draft tree {'': 2}"),
+    (dict(tree="paper", k=4), "tree 'paper' uses rank 7, which needs top_k >= 8; top_k is 4"),
+    (dict(hot="yes"), "Hot start must be true or false; got 'yes'."),
+    (dict(model="no-such-org/no-such-model"), "could not load model id 'no-such-org/no-such-model'"),
+    (dict(model="not a model id!"), "'not a model id!' is not a hub id"),
+    (dict(model="x" * 300), "A model id has at most 200 characters; this one has 300."),
+    (dict(model="/etc"), "This app does not load models from folders on the server ('/etc')"),
+    (dict(model="../.."), "This app does not load models from folders on the server ('../..')"),
+    (dict(model=str(ROOT / "assets")), "This app does not load models from folders on the server"),
+]
+
+
+@pytest.mark.parametrize("endpoint", ["/live", "/race"])
+def test_every_refused_value_gets_one_clear_message_and_the_app_keeps_serving(served, endpoint):  # noqa: F811
+    c = client(served)
+    for changes, message in REFUSED:
+        request = {**GOOD, **changes}
+        started = time.perf_counter()
+        with pytest.raises(Exception) as refused:
+            c.predict(*request.values(), api_name=endpoint)
+        text = str(refused.value)
+        print(f"{endpoint} {changes!r:.60} -> {text!r} ({time.perf_counter() - started:.2f} s)")
+        assert message in text and "Traceback" not in text and 'File "' not in text, (changes, text)
+    answer = live(c, GOOD["prompt"], 8)
+    assert "finished" in status_line(answer), "the app still serves a good request"
+
+
+def test_unusual_text_runs_and_the_status_line_says_what_was_removed(served):  # noqa: F811
+    c = client(served)
+    for prompt, note in [
+        ("Explain 🚲 in one line 🙂👍🏽 👨‍👩‍👧", ""),
+        ("اشرح الدراجة · 自行车 · Fahrräd · ñ̃ · \u200b\u200f·\ufeff", ""),
+        ("Name\x00 three\x1b colours\x07.", "3 control characters removed"),
+    ]:
+        status = status_line(live(c, prompt, 8))
+        print(f"{prompt!r} -> {status[:140]!r}")
+        assert status.startswith("finished") and note in status
+
+
+def test_an_unpaired_surrogate_is_replaced(served, monkeypatch):  # noqa: F811
+    """A browser's JSON can carry a lone surrogate (``"\\ud800"``); gradio_client's own encoder cannot send one, so
+    this request is encoded as ASCII JSON, where it travels as an escape."""
+    import gradio_client.client as client_module
+
+    post = client_module.httpx.post
+
+    def ascii_json_post(url, json=None, headers=None, **kwargs):
+        if json is not None:
+            kwargs["content"] = jsonlib.dumps(json).encode("ascii")  # ASCII: a surrogate travels escaped
+            headers = {**(headers or {}), "Content-Type": "application/json"}
+        return post(url, headers=headers, **kwargs)
+
+    monkeypatch.setattr(client_module.httpx, "post", ascii_json_post)
+    status = status_line(live(client(served), "Name three colours \ud800.", 8))
+    print(f"lone surrogate -> {status[:140]!r}")
+    assert status.startswith("finished") and "1 unpaired surrogate replaced by \ufffd" in status
+
+
+def test_a_prompt_longer_than_the_app_reads_loses_its_beginning_and_the_user_is_told(served):  # noqa: F811
+    c = client(served)
+    prompt = "".join(f"Item {i}. " for i in range(11_000))[:100_000] + " Which item came last?"
+    assert len(prompt) > 100_000
+    started = time.perf_counter()
+    status = status_line(live(c, prompt, 8))
+    print(f"100,000 characters: {time.perf_counter() - started:.1f} s; {status[:200]!r}")
+    assert status.startswith("finished")
+    assert re.search(r"the prompt is longer than this app reads \(2,048 tokens\): its beginning was dropped and the "
+                     r"model reads its last 2,0[0-4]\d tokens", status)
+
+
+def test_the_step_index_is_checked(served):  # noqa: F811
+    c = client(served)
+    with_no_run = c.predict(5, api_name="/step")
+    assert not isinstance(with_no_run[0], str), "no run yet: nothing to show, no error"
+    live(c, GOOD["prompt"], 8)
+    steps = len(c.predict(api_name="/trace")["live"]["events"])
+    for index in (-1, steps, 10 ** 9, 1.5, "3", None):
+        with pytest.raises(Exception, match=re.escape(f"The step (this run has {steps}, numbered from 0) must be a "
+                                                      f"whole number from 0 to {steps - 1}; got {index!r}.")):
+            c.predict(index, api_name="/step")
+    assert "tr-current" in c.predict(steps - 1, api_name="/step")[0]
+
+
+def test_load_model_refuses_with_the_reason_and_the_app_keeps_serving(served):  # noqa: F811
+    c = client(served)
+    for model, message in [("no-such-org/no-such-model", "could not load model id 'no-such-org/no-such-model'"),
+                           ("/etc", "does not load models from folders on the server"),
+                           ("a/b/c", "does not load models from folders on the server")]:
+        with pytest.raises(Exception, match=re.escape(message)):
+            c.predict(model, api_name="/load_model")
+    assert c.predict("", api_name="/load_model").startswith("**Loaded** the embedded SmolLM2-135M-Instruct")
+
+
+def test_an_unexpected_fault_is_one_line_and_the_app_keeps_serving(served, app_models, monkeypatch):  # noqa: F811
+    engine = app_models.get("")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("/secret/path/on/the/server: something broke")
+
+    c = client(served)
+    monkeypatch.setattr(type(engine), "stream", broken)
+    with pytest.raises(Exception) as fault:
+        live(c, GOOD["prompt"], 8)
+    text = str(fault.value)
+    assert "The server could not finish this request (RuntimeError). The app keeps serving" in text
+    assert "/secret/path" not in text and "Traceback" not in text
+    monkeypatch.undo()
+    assert "finished" in status_line(live(c, GOOD["prompt"], 8))
+
+
+# --- load -----------------------------------------------------------------------------------------------------------
+
+LOAD_PROMPTS = ["Name three colours.", "Name three fruits.", "What is 2 + 3?", "Say hello in French.",
+                "Name a large animal.", "What is the capital of Italy?", "Name two planets.", "Give a word for happy."]
+
+
+@pytest.mark.load
+def test_eight_concurrent_sessions_each_get_what_they_would_alone(served):  # noqa: F811
+    def request(prompt):
+        c = client(served)
+        answer = live(c, prompt)
+        return visible_text(answer[0]), tree_tokens(c.predict(api_name="/trace")["live"]["events"])
+
+    alone = [request(p) for p in LOAD_PROMPTS]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(LOAD_PROMPTS)) as pool:
+        together = list(pool.map(request, LOAD_PROMPTS))
+    print(f"{len(LOAD_PROMPTS)} concurrent sessions finished in {time.perf_counter() - started:.1f} s")
+    for prompt, one, many in zip(LOAD_PROMPTS, alone, together):
+        assert many[0] == one[0], f"{prompt!r}: the answer differs under load"
+        assert many[1] == one[1], f"{prompt!r}: the draft trees differ under load"
+
+
+def test_stop_frees_the_worker_at_once(served):  # noqa: F811
+    long_run, waiting = client(served), client(served)
+    job = long_run.submit(LONG, 256, "small", 8, True, "", api_name="/live")
+    steps_shown(job, 3)
+    queued = waiting.submit(GOOD["prompt"], 8, "small", 8, True, "", api_name="/live")  # waits for the worker
+    first_update = threading.Event()
+    threading.Thread(target=lambda: next(iter(queued)) and first_update.set(), daemon=True).start()
+    time.sleep(0.5)
+    assert not first_update.is_set(), "the second request waits while the first decodes"
+    stopped_at = time.perf_counter()
+    long_run.predict(api_name="/stop")
+    final = job.result()
+    stop_latency = time.perf_counter() - stopped_at
+    assert first_update.wait(30)
+    start_latency = time.perf_counter() - stopped_at
+    queued.result()
+    finished = time.perf_counter() - stopped_at
+    tokens = int(re.search(r'data-key="tokens" data-value="(\d+)"', final[1]).group(1))
+    print(f"stopped after {tokens} tokens: the run ended {stop_latency:.2f} s after Stop, the waiting request "
+          f"started {start_latency:.2f} s and finished {finished:.2f} s after Stop")
+    assert "stopped by you" in final[1] and tokens < 256
+    assert stop_latency < 2 and start_latency < 3
+
+
+@pytest.mark.load
+def test_memory_stays_flat_over_fifty_runs(served):  # noqa: F811
+    c = client(served)
+
+    def rss_mb() -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS in /proc/self/status")
+
+    for _ in range(5):  # warm up: the first runs fill allocator pools and caches
+        live(c, GOOD["prompt"], 8)
+    before = rss_mb()
+    started = time.perf_counter()
+    for _ in range(50):
+        live(c, GOOD["prompt"], 8)
+    after = rss_mb()
+    print(f"RSS over 50 runs: {before:.1f} MB -> {after:.1f} MB ({after - before:+.1f} MB) "
+          f"in {time.perf_counter() - started:.1f} s")
+    assert after - before < 50
+
+
+# --- security -------------------------------------------------------------------------------------------------------
+
+def test_the_code_never_trusts_remote_code_nor_opens_a_share_link():
+    files = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.txt", "*.toml", "*.cfg", "*.ini", "*.yml",
+                            "*.yaml"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files += [str(p.relative_to(ROOT)) for p in ROOT.glob("*/*.py")]  # new files not committed yet
+    this = Path(__file__).relative_to(ROOT).as_posix()
+    remote, share = "trust_remote" + "_code", re.compile(r"share\s*=\s*True")
+    for name in sorted(set(files) - {this}):
+        text = (ROOT / name).read_text(errors="replace")
+        assert remote not in text, f"{name} mentions {remote}"
+        assert not share.search(text), f"{name} opens a share link"
+
+
+def test_the_app_serves_no_file_a_user_names(served):  # noqa: F811
+    base = served.rstrip("/")
+    for path in ("app.py", str(ROOT / "app.py"), "/etc/passwd", "../../etc/passwd"):
+        url = f"{base}/gradio_api/file={path}"
+        try:
+            with urllib.request.urlopen(url) as reply:
+                status, body = reply.status, reply.read(200)
+        except urllib.error.HTTPError as e:
+            status, body = e.code, b""
+        assert status in (403, 404) and b"root:" not in body and b"import" not in body, (path, status)
+
+
+def test_local_folders_load_only_where_the_app_was_started_to_allow_them(served, app_models, tiny_folder):  # noqa: F811
+    folder = str(tiny_folder[0])
+    c = client(served)
+    with pytest.raises(Exception, match="This app does not load models from folders on the server"):
+        c.predict(folder, api_name="/load_model")
+    with pytest.raises(Exception, match="This app does not load models from folders on the server"):
+        live(c, GOOD["prompt"], 8, tree="tiny", k=4, hot=False, model=folder)
+    demo = app.build_app(app_models, allow_local_models=True)
+    _, url, _ = app.launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
+                           quiet=True)
+    try:
+        assert demo.share is False and not demo.share_url, "no public share link"
+        local = client(url)
+        assert local.predict(folder, api_name="/load_model").startswith(f"**Loaded** {folder}:")
+        assert "finished" in status_line(live(local, GOOD["prompt"], 8, tree="tiny", k=4, hot=False, model=folder))
+    finally:
+        demo.close()
+
+
+def test_a_full_queue_refuses_at_once_stop_still_works_and_the_app_keeps_serving(app_models):  # noqa: F811
+    demo = app.build_app(app_models)
+    _, url, _ = app.launch(demo, queue_max_size=2, server_name="127.0.0.1", server_port=free_port(),
+                           prevent_thread_lock=True, quiet=True)
+    try:
+        clients = [client(url) for _ in range(6)]
+        jobs = [c.submit(LONG if i == 0 else GOOD["prompt"], 256 if i == 0 else 8, "small", 8, True, "",
+                         api_name="/live") for i, c in enumerate(clients)]  # the first decodes long, two wait,
+        #                                                                     the others find the queue full
+        steps_shown(jobs[0], 3)
+        # Stop, as the page sends it, bypasses the queue: it works however full the queue is
+        stop = urllib.request.Request(f"{url.rstrip('/')}/gradio_api/run/stop", method="POST",
+                                      data=jsonlib.dumps({"data": [None], "session_hash": clients[0].session_hash})
+                                      .encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(stop) as reply:
+            assert reply.status == 200
+        outcomes = []
+        for job in jobs:
+            try:
+                outcomes.append(status_line(job.result()))
+            except Exception as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+        print(outcomes)
+        assert outcomes[0].startswith("stopped by you")
+        refused = [o for o in outcomes if not o.startswith(("finished", "stopped"))]
+        assert refused and all(o == "QueueError: Queue is full! Please try again." for o in refused)
+        assert "finished" in status_line(live(client(url), GOOD["prompt"], 8)), "and the app serves the next one"
+    finally:
+        demo.close()
