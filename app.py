@@ -20,6 +20,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
+from tr_core.kernels import MODES, mode_dtype  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
 from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
@@ -50,6 +51,9 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # A tree a user can watch at work. "auto", the fastest on this machine, can be empty on a small CPU, where verifying
 # any draft costs more than it saves: the status line then says so.
 DEFAULT_TREE = "small"
+# exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: bf16, a separate copy of the model
+# loaded on first use (on CPUs without native bf16 its larger forwards are slow, so its fitted tree is small)
+MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (bf16)"}
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history")
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history")
 
@@ -85,14 +89,16 @@ class Handlers:
     def __init__(self, models: ModelCache, trees: list[str], allow_local_models: bool = False):
         self.models, self.trees, self.allow_local_models = models, trees, allow_local_models
 
-    def _checked(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id) -> tuple:
+    def _checked(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode) -> tuple:
         """A run's settings, each checked: ``InputError`` names the first that is refused."""
         return (clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
                 check_choice(tree, "draft tree", self.trees), check_number(top_k, "k (candidates per row)", TOP_K),
-                check_flag(hot_start, "Hot start"), check_model_id(model_id, self.allow_local_models))
+                check_flag(hot_start, "Hot start"), check_model_id(model_id, self.allow_local_models),
+                check_choice(mode, "mode", list(MODES)))
 
-    def _engine(self, session: Session, model_id: str, tree: str, top_k: int, hot_start: bool, keep: bool = True):
-        base = self.models.get(model_id)
+    def _engine(self, session: Session, model_id: str, tree: str, top_k: int, hot_start: bool, mode: str,
+                keep: bool = True):
+        base = self.models.get(model_id, mode)
         try:
             return session.engine(base, model_id, tree, top_k, hot_start, keep)
         except ValueError as e:  # e.g. a tree that needs a larger k
@@ -100,23 +106,26 @@ class Handlers:
 
     @user_errors
     def live(self, prompt: str, max_new_tokens: int, tree: str, top_k: int, hot_start: bool, model_id: str,
-             session: Session):
+             mode: str, session: Session):
         """Decode ``prompt`` with Token Recycling, streaming the answer every step and the figures every
         ``FIGURE_EVERY_S``."""
-        prompt, max_new_tokens, tree, top_k, hot_start, model_id = self._checked(
-            prompt, max_new_tokens, tree, top_k, hot_start, model_id)
-        if not self.models.loaded(model_id):
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Counters(), "loading the model (once per process)…"))
+        prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode = self._checked(
+            prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode)
+        if not self.models.loaded(model_id, mode):
+            yield _out(LIVE_OUTPUTS, counters=counters_html(Counters(), "loading the model (once per process and "
+                                                                        "mode)…"))
         try:
-            engine, note = self._engine(session, model_id, tree, top_k, hot_start)
+            engine, note = self._engine(session, model_id, tree, top_k, hot_start, mode)
             ids, prompt_note = prompt_ids(engine.tokenizer, prompt, max_new_tokens, engine.context_length)
         except Exception:
             yield _out(LIVE_OUTPUTS, counters=counters_html(Counters(), "not run: see the message"))
             raise
         start = session.matrix_start(hot_start)
         session.begin_run(model_id, tree, top_k, start, hot_start)
+        session.mode = mode
         events, text = session.events, _token_text(engine)
-        session.note = "; ".join(filter(None, [prompt_note, tree_note(engine, tree), f"adjacency matrix: {note}"]))
+        session.note = "; ".join(filter(None, [prompt_note, f"mode {mode_dtype(mode)[1]}", tree_note(engine, tree),
+                                               f"adjacency matrix: {note}"]))
         yield _out(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
                    counters=counters_html(Counters(), "running", session.note), step=_step_slider(1, 0))
         steps, compute = engine.stream(ids, max_new_tokens), 0.0
@@ -163,7 +172,7 @@ class Handlers:
         if not events:
             return gr.skip(), gr.skip(), gr.skip()
         event = events[check_step(index, len(events))]
-        text = _token_text(self.models.get(session.model_id))
+        text = _token_text(self.models.get(session.model_id, session.mode))
         return answer_html(events, current=event.step), tree_figure(event, text), matrix_figure(event, text)
 
     @user_errors
@@ -191,17 +200,17 @@ class Handlers:
 
     @user_errors
     def race(self, prompt: str, max_new_tokens: int, tree: str, top_k: int, hot_start: bool, model_id: str,
-             session: Session):
+             mode: str, session: Session):
         """Measure plain, Prompt Lookup and Token Recycling one after another, each alone on the CPU; the table
         comes out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
-        prompt, max_new_tokens, tree, top_k, hot_start, model_id = self._checked(
-            prompt, max_new_tokens, tree, top_k, hot_start, model_id)
+        prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode = self._checked(
+            prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode)
         runs: dict[str, RaceRun | None] = dict.fromkeys(RACE_METHODS)
         session.stop_requested, session.race = False, None
         yield _out(RACE_OUTPUTS, race_status="Loading the model…", lanes=lanes_html(runs, None, tree), table="",
                    race_plot=placeholder(RACE_PLACEHOLDER))
         try:  # on a copy of the user's matrix: measuring does not teach it
-            engine, note = self._engine(session, model_id, tree, top_k, hot_start, keep=False)
+            engine, note = self._engine(session, model_id, tree, top_k, hot_start, mode, keep=False)
             ids, prompt_note = prompt_ids(engine.tokenizer, prompt, max_new_tokens, engine.context_length)
         except Exception:
             yield _out(RACE_OUTPUTS, race_status="Not run: see the message.")
@@ -225,7 +234,7 @@ class Handlers:
             session.record(f"race: {method}", tree if tr else "-", top_k if tr else "-", start if tr else "-",
                            len(run.token_ids), len(run.events), run.tokens_per_s)
         session.race, session.race_tree = runs, tree
-        session.race_note = f"{tree_note(engine, tree)}; adjacency matrix: {note}"
+        session.race_note = f"mode {mode_dtype(mode)[1]}; {tree_note(engine, tree)}; adjacency matrix: {note}"
         yield _out(RACE_OUTPUTS, race_status=f"Measured{about_prompt}. Replaying side by side at the measured speed…",
                    table=race_table_html(runs, engine.tokenizer.decode, tree), session=session,
                    history=history_html(session.history))
@@ -259,7 +268,7 @@ class Handlers:
         except (InputError, ModelLoadError) as e:
             yield f"**Not loaded.** {e}"
             raise
-        seconds = self.models.load_seconds.get(model_id, 0.0)
+        seconds = self.models.load_seconds.get((model_id, "exact"), 0.0)
         params = sum(p.numel() for p in engine.model.parameters()) / 1e6
         yield f"**Loaded** {name}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, in {seconds:.1f} s."
 
@@ -307,6 +316,8 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                                   "teach it (off: an empty matrix every run)", container=False, elem_id="hot")
             with gr.Column(scale=2):
                 tree = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id="tree")
+                mode = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="exact", label="Mode (every method alike)",
+                                elem_id="mode")
                 with gr.Row():
                     top_k = gr.Slider(TOP_K[0], TOP_K[1], value=8, step=1, label="k: candidates per row",
                                       elem_id="k")
@@ -360,7 +371,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
             explain_tab()  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
 
-        settings = [prompt, max_new, tree, top_k, hot, model_id, session]
+        settings = [prompt, max_new, tree, top_k, hot, model_id, mode, session]
         model_work = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
         raw = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
         example.input(lambda i: gr.skip() if i is None else examples[i], example, prompt, api_visibility="private")

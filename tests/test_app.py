@@ -219,6 +219,20 @@ def test_the_model_cache_loads_each_model_once_and_keeps_the_default():
     assert models.loaded("") and models.loaded("b/two") and not models.loaded("a/one")
 
 
+def test_the_model_cache_keeps_one_copy_per_mode():
+    modes = []
+
+    def fake_load(model_id, config):
+        modes.append((model_id, config.mode))
+        return SimpleNamespace(name=model_id, mode=config.mode)
+
+    models = ModelCache(keep=2, load=fake_load)
+    assert models.get("").mode == "exact" and models.get("", "fast").mode == "fast"
+    assert models.get("").mode == "exact" and models.get("", "fast").mode == "fast"  # each loaded once
+    assert modes == [(None, "exact"), (None, "fast")]
+    assert models.loaded("", "exact") and models.loaded("", "fast") and not models.loaded("a/one", "fast")
+
+
 def test_a_session_keeps_its_matrix_across_runs(tiny_folder):
     _, model, tokenizer = tiny_folder
     base = Engine(model, tokenizer)
@@ -295,6 +309,13 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
     assert json.loads(shown[1]["plot"])["layout"]["title"]["text"].startswith("step 0 (tr, tree small)")
+
+
+def test_fast_mode_decodes_on_a_bf16_copy_of_the_model(client, app_models):
+    final = client.predict(PROMPT, 8, "small", 8, True, "", "fast", api_name="/live")
+    assert "mode fast: bf16" in final[1] and "finished" in final[1]
+    assert app_models.loaded("", "fast") and str(app_models.get("", "fast").model.dtype) == "torch.bfloat16"
+    assert str(app_models.get("").model.dtype) == "torch.float32"  # exact mode keeps its own fp32 model
 
 
 def test_sessions_do_not_share_runs(client, served):

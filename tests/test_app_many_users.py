@@ -142,6 +142,7 @@ REFUSED = [  # (changes to a good request, what the message says)
     (dict(tree={"": 2}), "Unknown draft tree {'': 2}"),
     (dict(tree="paper", k=4), "tree 'paper' uses rank 7, which needs top_k >= 8; top_k is 4"),
     (dict(hot="yes"), "Hot start must be true or false; got 'yes'."),
+    (dict(mode="turbo"), "Unknown mode 'turbo': choose one of exact, fast."),
     (dict(model="no-such-org/no-such-model"), "could not load model id 'no-such-org/no-such-model'"),
     (dict(model="not a model id!"), "'not a model id!' is not a hub id"),
     (dict(model="x" * 300), "A model id has at most 200 characters; this one has 300."),

