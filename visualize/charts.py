@@ -140,16 +140,18 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
             customdata=[[row["expected_accepted"], row["step_ms"]] for row in table],
             hovertemplate="%{x} nodes: predicted %{y:.2f}×<br>expected accepted tokens %{customdata[0]:.2f}, "
                           "step %{customdata[1]:.0f} ms<extra></extra>"))
+    at_size: Counter = Counter()  # markers already drawn at each tree size: their labels go above, then below
     for index, (method, numbers) in enumerate(benchmark["methods"].items()):
         if "tree_nodes" not in numbers:
             continue
+        at_size[numbers["tree_nodes"]] += 1
         colour, _ = method_style(method, index)
         mat = numbers.get("mean_accepted_tokens")
         fig.add_trace(go.Scatter(
             x=[numbers["tree_nodes"]], y=[numbers["speedup"]], name=f"{method} (measured)", mode="markers+text",
             marker=dict(color=colour, size=13, symbol=["circle", "diamond", "square", "triangle-up"][index % 4]),
             text=[f"{method}: {numbers['speedup']:.2f}×, MAT {mat:.2f}" if mat is not None else method],
-            textposition="top center",
+            textposition="top center" if at_size[numbers["tree_nodes"]] % 2 else "bottom center",
             hovertemplate=f"{escape(method)}: %{{x}} nodes, measured %{{y:.2f}}×<extra></extra>"))
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"))  # plain decoding itself
     fig.update_layout(
