@@ -51,9 +51,9 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # A tree a user can watch at work. "auto", the fastest on this machine, can be empty on a small CPU, where verifying
 # any draft costs more than it saves: the status line then says so.
 DEFAULT_TREE = "small"
-# exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: bf16, a separate copy of the model
-# loaded on first use (on CPUs without native bf16 its larger forwards are slow, so its fitted tree is small)
-MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (bf16)"}
+# exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: a separate copy of the model, loaded
+# on first use, with its linear weights stored in fp16 (fp32 arithmetic) on x86 CPUs, bf16 elsewhere (tr_core.kernels)
+MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (fp16 weights)"}
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history")
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history")
 

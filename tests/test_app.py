@@ -311,11 +311,12 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     assert json.loads(shown[1]["plot"])["layout"]["title"]["text"].startswith("step 0 (tr, tree small)")
 
 
-def test_fast_mode_decodes_on_a_bf16_copy_of_the_model(client, app_models):
+def test_fast_mode_decodes_on_its_own_fp16_weight_copy_of_the_model(client, app_models):
+    from tr_core.kernels import has_fp16_weights
     final = client.predict(PROMPT, 8, "small", 8, True, "", "fast", api_name="/live")
-    assert "mode fast: bf16" in final[1] and "finished" in final[1]
-    assert app_models.loaded("", "fast") and str(app_models.get("", "fast").model.dtype) == "torch.bfloat16"
-    assert str(app_models.get("").model.dtype) == "torch.float32"  # exact mode keeps its own fp32 model
+    assert "mode fast: fp16 weights, fp32 arithmetic" in final[1] and "finished" in final[1]
+    assert app_models.loaded("", "fast") and has_fp16_weights(app_models.get("", "fast").model)
+    assert not has_fp16_weights(app_models.get("").model)  # exact mode keeps its own fp32 model
 
 
 def test_sessions_do_not_share_runs(client, served):

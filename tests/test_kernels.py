@@ -14,8 +14,10 @@ def test_output_head_equals_the_models_own_output_layer():
 
 
 def test_modes():
+    from tr_core.kernels import fp16_weights_available
     assert mode_dtype("exact")[0] == torch.float32
-    assert mode_dtype("fast")[0] == torch.bfloat16
+    assert fp16_weights_available(), "this project's machines (x86, AVX2) have fbgemm's fp16-weight linear"
+    assert mode_dtype("fast") == (torch.float32, "fast: fp16 weights, fp32 arithmetic")
     try:
         mode_dtype("turbo")
     except ValueError as e:
@@ -73,3 +75,50 @@ def test_a_compiled_body_is_what_decoding_runs_and_the_output_stays_greedy():
     matrix = AdjacencyMatrix(model.config.vocab_size, 8)
     assert run(model, prompt, RecyclingDrafter(matrix, tree), 12).token_ids == expected
     assert counters["stats"]["unique_graphs"] > 0  # decoding went through dynamo, i.e. through the compiled body
+
+
+def test_fp16_weight_linear_rounds_only_the_weights():
+    from tr_core.kernels import Fp16WeightLinear
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = torch.nn.Linear(48, 80, bias=bias)
+        packed = Fp16WeightLinear(layer)
+        rounded = torch.nn.Linear(48, 80, bias=bias)
+        rounded.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            rounded.weight.copy_(layer.weight.half().float())  # what fp16 storage keeps of each weight
+        assert not any(True for _ in packed.parameters())  # the fp32 weight is not kept
+        for shape in ((1, 48), (2, 48), (1, 7, 48), (33, 48)):
+            x = torch.randn(*shape)
+            out = packed(x)
+            assert out.shape == (*shape[:-1], 80) and out.dtype == torch.float32
+            torch.testing.assert_close(out, rounded(x), rtol=1e-5, atol=1e-5)  # fp32 arithmetic on fp16 weights
+            assert (out - layer(x)).abs().max() > 0  # ...which are not the fp32 weights
+        x = torch.randn(8, 48)  # a row computes the same alone and in a batch, to float rounding
+        torch.testing.assert_close(packed(x), torch.cat([packed(x[i:i + 1]) for i in range(8)]), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_mode_packs_the_body_and_the_head_and_stays_greedy():
+    from conftest import reference_greedy
+    from tr_core.decoding import run
+    from tr_core.drafters import PlainDrafter, RecyclingDrafter
+    from tr_core.kernels import Fp16WeightLinear, has_fp16_weights, pack_fp16_weights, prepare_model
+    from tr_core.matrix import AdjacencyMatrix
+    from tr_core.tree import load_template
+    model = tiny_model("llama", dtype=torch.float32)
+    linears = sum(type(m) is torch.nn.Linear for m in model.base_model.modules())
+    prompt = [3, 17, 42, 8, 99, 5]
+    prepare_model(model, "fast")
+    assert has_fp16_weights(model) and pack_fp16_weights(model) == linears  # all of them, once (idempotent)
+    assert not isinstance(model.get_output_embeddings(), Fp16WeightLinear)  # the head is OutputHead's
+    head = OutputHead(model)
+    hidden = torch.randn(3, model.config.hidden_size)
+    w16 = model.get_output_embeddings().weight.detach().half().float()
+    torch.testing.assert_close(head(hidden), hidden @ w16.t(), rtol=1e-5, atol=1e-5)
+    expected = reference_greedy(model, prompt, 12)  # transformers' generate on the packed model
+    assert run(model, prompt, PlainDrafter(), 12, head=head).token_ids == expected
+    matrix = AdjacencyMatrix(model.config.vocab_size, 8)
+    assert run(model, prompt, RecyclingDrafter(matrix, load_template("small")), 12, head=head).token_ids == expected
+    exact = tiny_model("llama", dtype=torch.float32)
+    prepare_model(exact, "exact")
+    assert not has_fp16_weights(exact)

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="hot-start matrix: 'shipped' (assets/hot_start, if built for this model), a file, or 'none'")
     p.add_argument("--seed-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="seed the matrix from the prompt's prefill logits (default: on)")
-    p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (bf16)")
+    p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model body: faster steps after 1.5-3 minutes per shape class of compiling")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .decoding import _tree_mask
-from .kernels import OutputHead, RowFittedLinear, body, is_compiled
+from .kernels import OutputHead, RowFittedLinear, body, has_fp16_weights, is_compiled
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
@@ -45,6 +45,7 @@ def machine_key(model: PreTrainedModel) -> str:
     # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
     # version when the forward path changes
     kernels = "head4" + ("-rowfit" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
+    kernels += "-fp16w" if has_fp16_weights(model) else ""
     kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
@@ -54,8 +55,9 @@ def machine_key(model: PreTrainedModel) -> str:
 @torch.inference_mode()
 def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
                        prefix: int = 128, repeats: int = 5, use_cache_file: bool = True) -> dict[int, float]:
-    """Time (ms, fastest of ``repeats``, made non-decreasing in N) of a step's model work for N tree tokens (the first N nodes of the paper tree, with its tree
-    mask) on top of a ``prefix``-token cache: the forward, the argmax, and for N > 1 the top-k of every node."""
+    """Time (ms, fastest of ``repeats``, made non-decreasing in N) of a step's model work for N tree tokens (the first
+    N nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, the argmax, and
+    for N > 1 the top-k of every node. The sizes are timed in turn, ``repeats`` rounds."""
     path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}.json"
     if use_cache_file and path.is_file():
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -69,7 +71,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     cache = DynamicCache(config=model.config)
     base, head = body(model), OutputHead(model)
     base(input_ids=ctx, cache=cache, use_cache=True)
-    result = {}
+    steps = []
     for n in sizes:
         tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
         ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
@@ -78,8 +80,11 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
         else:
             pos = (prefix + tree.depth.to(device))[None]
             mask = _tree_mask(tree.to(device), prefix, model.dtype, device)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
+        steps.append((n, ids, pos, mask))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    # round-robin over the sizes, so that a slow spell of the machine hits every size alike; round 0 warms up
+    for round_ in range(repeats + 1):
+        for n, ids, pos, mask in steps:
             t0 = time.perf_counter()
             hidden = base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
                           use_cache=True).last_hidden_state[0]
@@ -89,9 +94,10 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
                 torch.topk(logits, 8, dim=-1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - t0) * 1e3)
+            if round_:
+                times[n].append((time.perf_counter() - t0) * 1e3)
             cache.crop(-n)
-        result[n] = min(times[1:])  # the least disturbed run: other processes only ever add time
+    result = {n: min(ts) for n, ts in times.items()}  # the least disturbed run: other processes only ever add time
     # more tokens never cost less: a dip is measurement noise, so carry the running maximum forward
     running = 0.0
     for n in sorted(result):

@@ -21,7 +21,7 @@ from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
 from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
-from .kernels import MODES, OutputHead, compile_body, fit_linears, mode_dtype
+from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -39,7 +39,7 @@ class EngineConfig:
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
-    mode: str = "exact"  # "exact" (fp32) or "fast" (bf16); see kernels.py
+    mode: str = "exact"  # "exact" (fp32) or "fast" (fp16 weights on x86 CPUs, else bf16); see kernels.py
     compile: bool = False  # torch.compile the model body: faster steps after minutes of compiling (kernels.py)
     pld_max_ngram: int = 3
     pld_max_draft: int = 10
@@ -82,7 +82,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        fit_linears(model)  # the body's matmul layout for small trees (fp32 CPU only; see kernels.RowFittedLinear)
+        prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
         if config.compile:
             compile_body(model)  # before the tree is fitted: t(N) is calibrated on the compiled body
         self.head = OutputHead(model)

@@ -40,7 +40,7 @@ def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "
 
 class ModelCache:
     """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
-    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a bf16 copy (see ``tr_core.kernels``). Keeps the
+    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy with fp16 weights (see ``tr_core.kernels``). Keeps the
     default model in both modes and at most ``keep - 1`` others; loads are serialised so two users never load one
     twice."""
 
