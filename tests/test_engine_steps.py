@@ -82,3 +82,28 @@ def test_events_survive_a_json_round_trip():
         back = StepEvent.from_dict(json.loads(json.dumps(e.to_dict())))
         assert back == e
     assert all(isinstance(r.old, list) and len(r.new) == 8 for r in events[0].rows_updated)
+
+
+def test_prompt_seeding_fills_each_distinct_prompt_token_once_from_its_last_occurrence():
+    from tr_core.decoding import _last_occurrences
+    assert _last_occurrences(torch.tensor([5, 3, 5, 7])).tolist() == [1, 2, 3]
+    model = tiny_model("llama", seed=1)
+    prompt = [11, 42, 7, 11, 3, 42, 11, 18]  # 11 and 42 repeat; the last token is the first step's root
+    seen = []
+
+    class Recording(RecyclingDrafter):
+        def on_prefill(self, ids, logits):
+            seen.append((ids.clone(), logits.clone()))
+            super().on_prefill(ids, logits)
+
+    matrix = AdjacencyMatrix(VOCAB, 3)
+    drafter = Recording(matrix, build_tree([], name="root"), seed_from_prompt=True)
+    next(decode(model, prompt, drafter, 1))
+    ids = torch.cat([i for i, _ in seen]).tolist()
+    assert sorted(ids) == sorted(set(prompt[:-1])) == [3, 7, 11, 42]  # each distinct token once
+    full = model(input_ids=torch.tensor([prompt[:-1]])).logits[0]
+    logits = torch.cat([x for _, x in seen])
+    for row, token in enumerate(ids):
+        last = max(j for j, t in enumerate(prompt[:-1]) if t == token)
+        torch.testing.assert_close(logits[row], full[last])
+        assert matrix.rows[token].tolist() == torch.topk(full[last], 3).indices.tolist()

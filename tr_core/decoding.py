@@ -131,7 +131,12 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         # the prefill needs no logits, unless the drafter seeds its matrix from them
         hidden = base(input_ids=seq[:past_len][None], cache=cache, use_cache=True).last_hidden_state[0]
         if drafter.wants_prefill_logits:
-            drafter.on_prefill(seq[:past_len], _chunked(head, hidden))
+            # one row per distinct prompt token, at its last occurrence: what overwriting row after row in sequence
+            # order would leave, for the output layer and top-k of fewer positions, in chunks to bound the peak
+            ids = seq[:past_len]
+            last = _last_occurrences(ids)
+            for i in range(0, last.numel(), 256):
+                drafter.on_prefill(ids[last[i:i + 256]], head(hidden[last[i:i + 256]]))
 
     generated: list[int] = []
     steps = 0
@@ -205,10 +210,13 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         yield event
 
 
-def _chunked(head: OutputHead, hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Output logits for every position of ``hidden`` (L, d), computed in chunks to bound the (L, V) peak."""
-    return torch.cat([head(hidden[i:i + chunk]) for i in range(0, hidden.shape[0], chunk)])
-
+def _last_occurrences(ids: torch.Tensor) -> torch.Tensor:
+    """Positions of the last occurrence of each distinct value, ascending: ``[5, 3, 5, 7] -> [1, 2, 3]``."""
+    n = ids.numel()
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=ids.device)
+    last.scatter_reduce_(0, inverse, torch.arange(n, device=ids.device), reduce="amax")
+    return last.sort().values
 
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
