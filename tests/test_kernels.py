@@ -122,3 +122,15 @@ def test_fast_mode_packs_the_body_and_the_head_and_stays_greedy():
     exact = tiny_model("llama", dtype=torch.float32)
     prepare_model(exact, "exact")
     assert not has_fp16_weights(exact)
+
+
+def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():
+    import os
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+    from tr_core.kernels import GQA_SWITCH, prepare_model
+    model = tiny_model("llama", dtype=torch.float32)
+    prepare_model(model, "exact")
+    assert os.environ.get(GQA_SWITCH) == "1"
+    key = value = torch.zeros(1, 2, 10, 16)
+    mask = torch.zeros(1, 1, 3, 10)
+    assert use_gqa_in_sdpa(mask, key, value), "transformers no longer reads the switch: tree steps copy the cache"

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .decoding import _tree_mask
-from .kernels import OutputHead, RowFittedLinear, body, has_fp16_weights, is_compiled
+from .kernels import OutputHead, RowFittedLinear, body, grouped_query_attention_in_sdpa, has_fp16_weights, is_compiled
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
@@ -44,7 +44,7 @@ def machine_key(model: PreTrainedModel) -> str:
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
     # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
     # version when the forward path changes
-    kernels = "head4" + ("-rowfit" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
+    kernels = "head4-gqa" + ("-rowfit" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
     kernels += "-fp16w" if has_fp16_weights(model) else ""
     kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
@@ -64,6 +64,8 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
         if all(n in cached for n in sizes):
             return {n: cached[n] for n in sizes}
     device = model.device
+    if device.type == "cpu":
+        grouped_query_attention_in_sdpa()  # as decoding does
     paper = load_template("paper")
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]

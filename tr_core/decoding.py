@@ -21,7 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .events import RowUpdate, StepEvent
 from .kv import keep_accepted_path
-from .kernels import OutputHead, body
+from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
 
@@ -115,6 +115,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     device, dtype = model.device, model.dtype
+    if device.type == "cpu":
+        grouped_query_attention_in_sdpa()  # tree steps attend to the cache without copying it (kernels.py)
     max_pos = _max_positions(model)
     if max_pos is not None and len(prompt_ids) >= max_pos:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
