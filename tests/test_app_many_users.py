@@ -370,9 +370,11 @@ def test_a_full_queue_refuses_at_once_stop_still_works_and_the_app_keeps_serving
                            prevent_thread_lock=True, quiet=True)
     try:
         clients = [client(url) for _ in range(6)]
-        jobs = [c.submit(LONG if i == 0 else GOOD["prompt"], 256 if i == 0 else 8, "small", 8, True, "",
-                         api_name="/live") for i, c in enumerate(clients)]  # the first decodes long, two wait,
-        #                                                                     the others find the queue full
+        # the first decodes long (submitted alone and seen running, so that it is never the one refused), two
+        # wait, the others find the queue full
+        jobs = [clients[0].submit(LONG, 256, "small", 8, True, "", api_name="/live")]
+        steps_shown(jobs[0], 1)
+        jobs += [c.submit(GOOD["prompt"], 8, "small", 8, True, "", api_name="/live") for c in clients[1:]]
         steps_shown(jobs[0], 3)
         # Stop, as the page sends it, bypasses the queue: it works however full the queue is
         stop = urllib.request.Request(f"{url.rstrip('/')}/gradio_api/run/stop", method="POST",
