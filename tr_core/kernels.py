@@ -16,6 +16,7 @@ with):
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -35,19 +36,14 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+@functools.cache
 def fp16_weights_available() -> bool:
     """True where this torch build has fbgemm's fp16-weight linear (x86 CPUs with AVX2)."""
-    global _FP16_OK
-    if _FP16_OK is None:
-        try:
-            packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(4, 8), None)
-            _FP16_OK = torch.ops.quantized.linear_dynamic_fp16(torch.ones(3, 8), packed).shape == (3, 4)
-        except (AttributeError, RuntimeError):
-            _FP16_OK = False
-    return _FP16_OK
-
-
-_FP16_OK: bool | None = None
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(4, 8), None)
+        return torch.ops.quantized.linear_dynamic_fp16(torch.ones(3, 8), packed).shape == (3, 4)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def mode_dtype(mode: str) -> tuple[torch.dtype, str]:
