@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .decoding import _tree_mask
 from .kernels import OutputHead, RowFittedLinear, body, grouped_query_attention_in_sdpa, has_fp16_weights, is_compiled
+from .kv import new_cache
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
@@ -45,7 +46,7 @@ def machine_key(model: PreTrainedModel) -> str:
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
     # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
     # version when the forward path changes
-    kernels = "head4-gqa" + ("-rowfit2" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
+    kernels = "head4-gqa-kvbuf" + ("-rowfit2" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
     kernels += "-fp16w" if has_fp16_weights(model) else ""
     kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
@@ -71,7 +72,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
     ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config, prefix + max(sizes))  # as decoding does
     base, head = body(model), OutputHead(model)
     base(input_ids=ctx, cache=cache, use_cache=True)
     steps = []

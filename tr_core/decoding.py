@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .events import RowUpdate, StepEvent
-from .kv import keep_accepted_path
+from .kv import keep_accepted_path, new_cache
 from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
@@ -125,7 +125,8 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     seq = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long, device=device)
     seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
     length = len(prompt_ids)
-    cache = DynamicCache(config=model.config)
+    # room for the whole output and a large tree, so that the cache never copies itself while decoding
+    cache = new_cache(model.config, len(prompt_ids) + max_new_tokens + 128)
     started = time.perf_counter()
 
     past_len = length - 1  # the cache holds all but the root

@@ -1,0 +1,89 @@
+"""The lean Llama forward must compute what transformers' LlamaModel computes, bit for bit."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from tr_core.decoding import _tree_mask
+from tr_core.kernels import body
+from tr_core.kv import new_cache
+from tr_core.lean import LeanLlama, supports
+from tr_core.tree import build_tree, load_template
+from transformers import DynamicCache
+
+
+def _steps(forward, model, cache):
+    """A prefill, one token, a chain of three on top of the cache, and a 6-node tree under its mask."""
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    out = [forward(input_ids=torch.randint(0, vocab, (1, 40), generator=g), cache=cache).last_hidden_state]
+    out.append(forward(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[40]]), cache=cache).last_hidden_state)
+    out.append(forward(input_ids=torch.tensor([[7, 8, 9]]), cache=cache).last_hidden_state)
+    tree = build_tree(list(load_template("paper").node_paths[1:6]))
+    mask = _tree_mask(tree, 44, model.dtype, model.device)
+    ids = torch.randint(0, vocab, (1, 6), generator=g)
+    out.append(forward(input_ids=ids, position_ids=(44 + tree.depth)[None], attention_mask=mask,
+                       cache=cache).last_hidden_state)
+    out.append(torch.cat([layer.keys for layer in cache.layers]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "preallocated"])
+@torch.inference_mode()
+def test_lean_forward_equals_the_models_own_bit_for_bit(dtype, cache_kind):
+    model = tiny_model("llama", dtype=dtype)
+    assert supports(model)
+    make = (lambda: DynamicCache(config=model.config)) if cache_kind == "dynamic" else (
+        lambda: new_cache(model.config, 16))  # small: the buffer is reallocated while the steps run
+    expected = _steps(model.base_model, model, make())
+    got = _steps(LeanLlama(model), model, make())
+    for e, g in zip(expected, got):
+        assert e.shape == g.shape and torch.equal(e, g)
+
+
+def test_decoding_runs_the_lean_forward_only_where_it_applies():
+    llama, qwen, gpt2 = tiny_model("llama"), tiny_model("qwen2"), tiny_model("gpt2")
+    assert isinstance(body(llama), LeanLlama)
+    assert body(llama) is body(llama)  # made once per model
+    assert not supports(qwen) and body(qwen) is qwen.base_model
+    assert not supports(gpt2) and body(gpt2) is gpt2.base_model
+
+
+def test_lean_forward_follows_linears_swapped_after_it_was_made():
+    from tr_core.kernels import Fp16WeightLinear, fp16_weights_available, pack_fp16_weights
+    if not fp16_weights_available():
+        pytest.skip("this torch build has no fbgemm fp16-weight linear")
+    model = tiny_model("llama", dtype=torch.float32)
+    lean = body(model)
+    pack_fp16_weights(model)
+    assert isinstance(model.base_model.layers[0].self_attn.q_proj, Fp16WeightLinear)
+    with torch.inference_mode():
+        ids = torch.tensor([[1, 2, 3, 4]])
+        want = model.base_model(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
+        got = lean(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
+    assert torch.equal(want, got)
+
+
+def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():
+    from tr_core.kv import PreallocatedLayer, keep_accepted_path
+    cache = new_cache(tiny_model("llama").config, 4)
+    layer = cache.layers[0]
+    assert isinstance(layer, PreallocatedLayer)
+    # 3 positions each, position p holding p: past the capacity of 4, so it reallocates
+    rows = [torch.arange(3 * i, 3 * i + 3, dtype=torch.float32).view(1, 1, 3, 1).expand(1, 2, 3, 8) for i in range(3)]
+    for r in rows:
+        for each in cache.layers:
+            each.update(r, r + 100)
+    assert layer.keys[0, 1, :, 3].tolist() == list(range(9)) and layer.values[0, 0, :, 0].tolist() == list(range(100, 109))
+    buffer = layer._key_buf
+    # a 3-node tree after 6 context positions, whose path keeps nodes 0 and 2: written in place, then cut
+    keep_accepted_path(cache, 6, 3, torch.tensor([0, 2]))
+    assert layer.keys.shape[-2] == 8 and layer._key_buf is buffer
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8]  # node 2 (position 8) moved down to 7
+    layer.update(torch.full((1, 2, 1, 8), 9.0), torch.full((1, 2, 1, 8), 9.0))
+    assert layer.keys.shape[-2] == 9 and layer._key_buf is buffer and float(layer.keys[0, 0, 8, 0]) == 9.0
+    # tensors replaced from outside are taken over, not silently overwritten
+    layer.keys, layer.values = layer.keys[..., :2, :].clone(), layer.values[..., :2, :].clone()
+    layer.update(torch.full((1, 2, 1, 8), 7.0), torch.full((1, 2, 1, 8), 7.0))
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 7.0] and layer._key_buf is not buffer

@@ -1,0 +1,131 @@
+"""A lean forward for Llama-family decoder models: the same operations as transformers' ``LlamaModel`` in the same
+order, without its per-call machinery.
+
+A decoding step of a small model on a CPU is not all matmul. For the embedded model (30 layers, fp16 weights, one
+token) the linear layers took ~14 ms of a ~38 ms step; much of the rest was Python: ~15 module calls per layer, each
+through ``nn.Module.__call__``, the keyword-argument decorators of every attention and decoder layer, the output
+capturing of the model, mask preparation. ``LeanLlama`` runs the layers' own weights and kernels (``q_proj.forward``
+and so on, so the fast mode's fp16 linears and the exact mode's row-fitted ones are used as they are) with the same
+tensor operations, so its hidden states equal the model's bit for bit (tested against ``generate``).
+
+It takes the model only where its decoder layers are transformers' own Llama ones (``supports``); any other model
+runs its own forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def supports(model: nn.Module) -> bool:
+    """True where ``model`` is on the CPU and its body is transformers' ``LlamaModel`` with SDPA attention."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel, LlamaRMSNorm
+    except ImportError:  # pragma: no cover
+        return False
+    base = getattr(model, "base_model", None)
+    config = getattr(model, "config", None)
+    if type(base) is not LlamaModel or config is None or base.embed_tokens.weight.device.type != "cpu":
+        return False
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    layers = list(base.layers)
+    return (len(layers) == config.num_hidden_layers
+            and all(type(layer) is LlamaDecoderLayer for layer in layers)
+            and all(type(n) is LlamaRMSNorm for layer in layers
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            and type(base.norm) is LlamaRMSNorm)
+
+
+@dataclass
+class LeanOutput:
+    last_hidden_state: torch.Tensor
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # LlamaRMSNorm.forward, operation for operation
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanLlama:
+    """Callable like the base model in decoding (``input_ids``, ``position_ids``, ``attention_mask`` (a 4D additive
+    mask, or None for causal), ``cache``) and returning an object with ``last_hidden_state``."""
+
+    def __init__(self, model: nn.Module):
+        base = model.base_model
+        config = model.config
+        self.base = base
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        first = base.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.gqa = self.heads != self.kv_heads
+
+    def _layers(self):
+        # looked up at every call (a few microseconds), so that layers swapped later (kernels.pack_fp16_weights,
+        # kernels.fit_linears) are the ones used
+        for layer in self.base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            yield (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                   attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward, attn.o_proj.forward,
+                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                   mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward, mlp.act_fn)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool = True,
+                 **_) -> LeanOutput:
+        if cache is None:
+            raise ValueError("LeanLlama needs a cache")
+        batch, n = input_ids.shape
+        past = cache.get_seq_length()
+        hidden = self.embed(input_ids)
+        if position_ids is None:
+            position_ids = (torch.arange(n, device=hidden.device) + past)[None]
+        is_causal = False
+        mask = attention_mask
+        if mask is None and n > 1:
+            if past == 0:
+                is_causal = True  # a prefill: SDPA's own causal pattern, as transformers uses it
+            else:  # several tokens in a chain on top of the cache: each sees the cache and the tokens up to itself
+                q = torch.arange(past, past + n, device=hidden.device)[:, None]
+                mask = (torch.arange(past + n, device=hidden.device)[None, :] <= q)[None, None]
+        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        shape = (batch, n, -1, self.head_dim)
+        sdpa_kwargs = {"enable_gqa": True} if self.gqa else {}
+        layers = cache.layers
+        for i, (w1, eps1, q_proj, k_proj, v_proj, o_proj, w2, eps2, gate, up, down, act) in enumerate(self._layers()):
+            residual = hidden
+            x = _rms_norm(hidden, w1, eps1)
+            q = q_proj(x).view(shape).transpose(1, 2)
+            k = k_proj(x).view(shape).transpose(1, 2)
+            v = v_proj(x).view(shape).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            k, v = layers[i].update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
+                                                 is_causal=is_causal, **sdpa_kwargs)
+            out = out.reshape(out.shape[0], -1, n, v.shape[-1]).transpose(1, 2).contiguous()
+            out = out.reshape(batch, n, -1).contiguous()
+            hidden = residual + o_proj(out)
+            residual = hidden
+            x = _rms_norm(hidden, w2, eps2)
+            hidden = residual + down(act(gate(x)) * up(x))
+        norm = self.base.norm
+        return LeanOutput(_rms_norm(hidden, norm.weight, norm.variance_epsilon))
