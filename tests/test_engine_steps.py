@@ -107,3 +107,16 @@ def test_prompt_seeding_fills_each_distinct_prompt_token_once_from_its_last_occu
         last = max(j for j, t in enumerate(prompt[:-1]) if t == token)
         torch.testing.assert_close(logits[row], full[last])
         assert matrix.rows[token].tolist() == torch.topk(full[last], 3).indices.tolist()
+
+
+def test_greedy_choice_from_top_k_is_argmax_even_on_ties():
+    from tr_core.decoding import greedy_and_top_k
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    logits[1, [7, 3, 40]] = 9.0  # a three-way tie at the top: argmax takes the lowest id, 3
+    logits[4, [20, 11]] = 9.0
+    predicted, top = greedy_and_top_k(logits, 4)
+    assert torch.equal(predicted, logits.argmax(dim=-1)) and predicted[1] == 3 and predicted[4] == 11
+    assert torch.equal(top, torch.topk(logits, 4, dim=-1).indices)
+    assert greedy_and_top_k(logits, 0)[1] is None and torch.equal(greedy_and_top_k(logits, 0)[0], predicted)
+    assert torch.equal(greedy_and_top_k(logits, 1)[0], predicted)

@@ -64,26 +64,3 @@ def test_lean_forward_follows_linears_swapped_after_it_was_made():
         got = lean(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
     assert torch.equal(want, got)
 
-
-def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():
-    from tr_core.kv import PreallocatedLayer, keep_accepted_path
-    cache = new_cache(tiny_model("llama").config, 4)
-    layer = cache.layers[0]
-    assert isinstance(layer, PreallocatedLayer)
-    # 3 positions each, position p holding p: past the capacity of 4, so it reallocates
-    rows = [torch.arange(3 * i, 3 * i + 3, dtype=torch.float32).view(1, 1, 3, 1).expand(1, 2, 3, 8) for i in range(3)]
-    for r in rows:
-        for each in cache.layers:
-            each.update(r, r + 100)
-    assert layer.keys[0, 1, :, 3].tolist() == list(range(9)) and layer.values[0, 0, :, 0].tolist() == list(range(100, 109))
-    buffer = layer._key_buf
-    # a 3-node tree after 6 context positions, whose path keeps nodes 0 and 2: written in place, then cut
-    keep_accepted_path(cache, 6, 3, torch.tensor([0, 2]))
-    assert layer.keys.shape[-2] == 8 and layer._key_buf is buffer
-    assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8]  # node 2 (position 8) moved down to 7
-    layer.update(torch.full((1, 2, 1, 8), 9.0), torch.full((1, 2, 1, 8), 9.0))
-    assert layer.keys.shape[-2] == 9 and layer._key_buf is buffer and float(layer.keys[0, 0, 8, 0]) == 9.0
-    # tensors replaced from outside are taken over, not silently overwritten
-    layer.keys, layer.values = layer.keys[..., :2, :].clone(), layer.values[..., :2, :].clone()
-    layer.update(torch.full((1, 2, 1, 8), 7.0), torch.full((1, 2, 1, 8), 7.0))
-    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 7.0] and layer._key_buf is not buffer

@@ -72,7 +72,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
     ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-    cache = new_cache(model.config, prefix + max(sizes))  # as decoding does
+    cache = new_cache(model.config, prefix + max(sizes), model.dtype, device)  # as decoding does
     base, head = body(model), OutputHead(model)
     base(input_ids=ctx, cache=cache, use_cache=True)
     steps = []

@@ -29,10 +29,12 @@ from .tree import TreeBuffers, chain_tree
 class Drafter(Protocol):
     name: str
     wants_prefill_logits: bool
+    top_k: int  # how many of each node's best next tokens ``update`` takes (0: none)
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]: ...
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
+               top: torch.Tensor | None = None) -> list[RowUpdate]: ...
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
 
@@ -72,6 +74,26 @@ def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> 
     lengths = agree.long().cumprod(dim=1).sum(dim=1)
     best = int(torch.argmax(lengths))
     return paths[best, : int(lengths[best]) + 1]
+
+
+def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The greedy choice of every row, exactly as ``argmax`` makes it, and the row's ``k`` best token ids (n, k),
+    best first, from one ``topk`` (None for ``k`` = 0). A drafter that learns from every node's top-k so needs no
+    second pass over the vocabulary for the greedy choice.
+
+    ``argmax`` takes the lowest id among equal maxima, while ``topk`` promises no order among equal values, so rows
+    whose two best logits are equal take their greedy choice from ``argmax``.
+    """
+    if k < 1:
+        return logits.argmax(dim=-1), None
+    values, top = torch.topk(logits, k, dim=-1)
+    if k == 1:
+        return logits.argmax(dim=-1), top
+    predicted = top[:, 0].clone()
+    ties = values[:, 0] == values[:, 1]
+    if bool(ties.any()):
+        predicted[ties] = logits[ties].argmax(dim=-1)
+    return predicted, top
 
 
 def _tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -126,7 +148,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
     length = len(prompt_ids)
     # room for the whole output and a large tree, so that the cache never copies itself while decoding
-    cache = new_cache(model.config, len(prompt_ids) + max_new_tokens + 128)
+    cache = new_cache(model.config, len(prompt_ids) + max_new_tokens + 128, dtype, device)
     started = time.perf_counter()
 
     past_len = length - 1  # the cache holds all but the root
@@ -162,7 +184,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         _sync(device)
         t2 = time.perf_counter()
 
-        predicted = logits.argmax(dim=-1)
+        predicted, top = greedy_and_top_k(logits, getattr(drafter, "top_k", 0))
         path = accept(tokens, predicted, tree)
         bonus = int(predicted[path[-1]])
         new = tokens[path[1:]].tolist() + [bonus]
@@ -175,7 +197,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
             new = new[:budget]
             if len(new) == budget:
                 stop_reason = "max_new_tokens"
-        rows = drafter.update(tokens, logits, path)
+        rows = drafter.update(tokens, logits, path) if top is None else drafter.update(tokens, logits, path, top)
         keep_accepted_path(cache, past_len, tree.size, path)
         seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
         length += len(new)

@@ -22,11 +22,13 @@ class PlainDrafter:
 
     name = "plain"
     wants_prefill_logits = False
+    top_k = 0
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return context[-1:].clone(), chain_tree(0)
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]:
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
+               top: torch.Tensor | None = None) -> list[RowUpdate]:
         return []
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
@@ -79,21 +81,21 @@ class RecyclingDrafter(PlainDrafter):
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return self.matrix.retrieve(root, self.tree), self.tree
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor) -> list[RowUpdate]:
-        distinct = _first_occurrences(tokens)
-        old = self.matrix.rows[distinct].tolist()
-        self.matrix.update(tokens, logits, priority=path)
-        new = self.matrix.rows[distinct].tolist()
-        return [RowUpdate(t, o, n) for t, o, n in zip(distinct.tolist(), old, new)]
+    @property
+    def top_k(self) -> int:
+        return self.matrix.k
+
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
+               top: torch.Tensor | None = None) -> list[RowUpdate]:
+        """``top``: each node's ``top_k`` best next tokens, where the caller has them (else taken from ``logits``)."""
+        distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
+        index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
+        old = self.matrix.rows[index].tolist()
+        self.matrix.update(tokens, logits, priority=path, top=top)
+        new = self.matrix.rows[index].tolist()
+        return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         if self.seed_from_prompt:
             self.matrix.seed(ids, logits)
 
-
-def _first_occurrences(tokens: torch.Tensor) -> torch.Tensor:
-    """Distinct values of ``tokens`` in order of first occurrence: ``[5, 3, 5, 7] -> [5, 3, 7]``."""
-    uniq, inverse = torch.unique(tokens, return_inverse=True)
-    first = torch.full((uniq.numel(),), tokens.numel(), dtype=torch.long, device=tokens.device)
-    first.scatter_reduce_(0, inverse, torch.arange(tokens.numel(), device=tokens.device), reduce="amin")
-    return tokens[first.sort().values]

@@ -30,8 +30,13 @@ class PreallocatedLayer(DynamicLayer):
                 == self._value_buf.data_ptr() and self.keys.stride() == buf.stride())
 
     def _reserve(self, length: int, needed: int, like: torch.Tensor) -> None:
-        if self._own_views() and needed <= self._key_buf.shape[-2]:
-            return
+        buf = self._key_buf
+        if buf is not None and needed <= buf.shape[-2]:
+            if length and self._own_views():
+                return
+            if not length and (buf.shape[:-2], buf.shape[-1], buf.dtype, buf.device) == (
+                    like.shape[:-2], like.shape[-1], like.dtype, like.device):
+                return  # an empty layer with buffers given in advance (new_cache)
         capacity = max(needed, self.capacity, 2 * (self._key_buf.shape[-2] if self._key_buf is not None else 0))
         shape = (*like.shape[:-2], capacity, like.shape[-1])
         key_buf = like.new_empty(shape)
@@ -47,10 +52,15 @@ class PreallocatedLayer(DynamicLayer):
         length = self.keys.shape[-2] if self.keys.numel() else 0
         end = length + key_states.shape[-2]
         self._reserve(length, end, key_states)
-        self._key_buf[..., length:end, :] = key_states
-        self._value_buf[..., length:end, :] = value_states
-        self.keys = self._key_buf[..., :end, :]
-        self.values = self._value_buf[..., :end, :]
+        # narrow() rather than [..., a:b, :]: a few microseconds less per call, 60 calls a step
+        self._key_buf.narrow(-2, length, end - length).copy_(key_states)
+        self._value_buf.narrow(-2, length, end - length).copy_(value_states)
+        return self.cut(end)
+
+    def cut(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make ``keys``/``values`` the buffers' first ``length`` positions (the layer must own its views)."""
+        self.keys = self._key_buf.narrow(-2, 0, length)
+        self.values = self._value_buf.narrow(-2, 0, length)
         return self.keys, self.values
 
     def reset(self) -> None:
@@ -58,12 +68,44 @@ class PreallocatedLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(config: PretrainedConfig, capacity: int) -> DynamicCache:
+def new_cache(config: PretrainedConfig, capacity: int, dtype: torch.dtype | None = None,
+              device: torch.device | str = "cpu") -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are ``PreallocatedLayer``s of ``capacity``
-    positions (sliding-window and other special layers stay as transformers makes them)."""
+    positions (sliding-window and other special layers stay as transformers makes them).
+
+    Given the ``dtype``, and where the config names its key/value heads, every layer's buffers are slices of one
+    tensor (``cache.kv_store``, (2 x layers, kv heads, capacity, head dim)), so that ``keep_accepted_path`` moves the
+    accepted nodes of all layers in one gather instead of one per layer and tensor.
+    """
     cache = DynamicCache(config=config)
-    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = layers
+    cache.kv_store = cache.kv_store_starts = None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kv_heads = getattr(text, "num_key_value_heads", None)
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    if dtype is not None and kv_heads and head_dim and layers and all(type(x) is PreallocatedLayer for x in layers):
+        store = torch.empty(2 * len(layers), kv_heads, max(1, int(capacity)), head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            layer._key_buf, layer._value_buf = store[2 * i:2 * i + 1], store[2 * i + 1:2 * i + 2]
+        cache.kv_store = store
+        cache.kv_store_starts = [(store[2 * i].data_ptr(), store[2 * i + 1].data_ptr()) for i in range(len(layers))]
     return cache
+
+
+def _on_store(cache: DynamicCache) -> bool:
+    """True while every layer's keys and values are still views of ``cache.kv_store`` (a layer that outgrew it, or
+    whose tensors were replaced, has left it)."""
+    starts = getattr(cache, "kv_store_starts", None)
+    if starts is None:
+        return False
+    stride = cache.kv_store.stride()[1:]
+    for layer, (k, v) in zip(cache.layers, starts):
+        keys, values = layer.keys, layer.values
+        if keys.data_ptr() != k or values.data_ptr() != v or keys.stride()[1:] != stride:
+            return False
+    return True
 
 
 def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path: torch.Tensor) -> None:
@@ -74,10 +116,19 @@ def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path:
     the tree is cut with the public ``crop``.
     """
     kept = path.numel()
-    if tree_size > kept and not torch.equal(path, torch.arange(kept, device=path.device)):
+    if tree_size == kept:
+        return
+    moved = not torch.equal(path, torch.arange(kept, device=path.device))
+    if _on_store(cache):  # all layers at once: one gather, one write, then each layer's views shortened
+        store = cache.kv_store
+        if moved:
+            store.narrow(-2, past_len, kept).copy_(store.index_select(-2, past_len + path))
+        for layer in cache.layers:
+            layer.cut(past_len + kept)
+        return
+    if moved:
         src = past_len + path
         for layer in cache.layers:
             layer.keys[..., past_len:past_len + kept, :] = layer.keys.index_select(-2, src)
             layer.values[..., past_len:past_len + kept, :] = layer.values.index_select(-2, src)
-    if tree_size > kept:
-        cache.crop(-(tree_size - kept))
+    cache.crop(-(tree_size - kept))

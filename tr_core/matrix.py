@@ -55,13 +55,17 @@ class AdjacencyMatrix:
             tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
         return tokens
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, priority: torch.Tensor | None = None) -> torch.Tensor:
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor, priority: torch.Tensor | None = None,
+               top: torch.Tensor | None = None) -> torch.Tensor:
         """Overwrite the rows of ``tokens`` (n,) with the top-k of ``logits`` (n, V); returns the new rows (n, k).
+        ``top``: that top-k's indices (n, >= k), where the caller has already taken them.
 
         A token that occurs at several nodes gets the row of its last occurrence; nodes listed in ``priority``
         (the accepted path) are written last, so a token on the accepted path keeps the row from its real context.
         """
-        new_rows = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
+        if top is None or top.shape[-1] < self.k:
+            top = torch.topk(logits, self.k, dim=-1).indices
+        new_rows = top[:, :self.k].to(torch.int32)
         if priority is None:
             self.rows[tokens] = new_rows
         else:

@@ -1,0 +1,64 @@
+"""The preallocated KV cache: grows without copying, keeps only the accepted path, in one gather where it can."""
+
+import torch
+
+from conftest import tiny_model
+from tr_core.kv import PreallocatedLayer, _on_store, keep_accepted_path, new_cache
+
+
+def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():
+    cache = new_cache(tiny_model("llama").config, 4)
+    layer = cache.layers[0]
+    assert isinstance(layer, PreallocatedLayer)
+    # 3 positions each, position p holding p: past the capacity of 4, so it reallocates
+    rows = [torch.arange(3 * i, 3 * i + 3, dtype=torch.float32).view(1, 1, 3, 1).expand(1, 2, 3, 8) for i in range(3)]
+    for r in rows:
+        for each in cache.layers:
+            each.update(r, r + 100)
+    assert layer.keys[0, 1, :, 3].tolist() == list(range(9)) and layer.values[0, 0, :, 0].tolist() == list(range(100, 109))
+    buffer = layer._key_buf
+    # a 3-node tree after 6 context positions, whose path keeps nodes 0 and 2: written in place, then cut
+    keep_accepted_path(cache, 6, 3, torch.tensor([0, 2]))
+    assert layer.keys.shape[-2] == 8 and layer._key_buf is buffer
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 8]  # node 2 (position 8) moved down to 7
+    layer.update(torch.full((1, 2, 1, 8), 9.0), torch.full((1, 2, 1, 8), 9.0))
+    assert layer.keys.shape[-2] == 9 and layer._key_buf is buffer and float(layer.keys[0, 0, 8, 0]) == 9.0
+    # tensors replaced from outside are taken over, not silently overwritten
+    layer.keys, layer.values = layer.keys[..., :2, :].clone(), layer.values[..., :2, :].clone()
+    layer.update(torch.full((1, 2, 1, 8), 7.0), torch.full((1, 2, 1, 8), 7.0))
+    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 7.0] and layer._key_buf is not buffer
+
+
+def _filled(cache, n):
+    g = torch.Generator().manual_seed(1)
+    for layer in cache.layers:
+        k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
+        layer.update(k, v)
+    return cache
+
+
+def test_one_store_for_all_layers_keeps_the_same_path_as_layer_by_layer():
+    config = tiny_model("llama").config  # 2 layers, 2 key/value heads, head dim 16
+    on_store = _filled(new_cache(config, 64, torch.float32), 20)
+    per_layer = _filled(new_cache(config, 64), 20)
+    assert _on_store(on_store) and not _on_store(per_layer)
+    store = on_store.kv_store
+    assert store.shape == (4, 2, 64, 16)
+    path = torch.tensor([0, 2, 5])  # a 7-node tree after 13 context positions
+    for cache in (on_store, per_layer):
+        keep_accepted_path(cache, 13, 7, path)
+    for a, b in zip(on_store.layers, per_layer.layers):
+        assert a.keys.shape[-2] == 16 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert on_store.kv_store is store and _on_store(on_store)
+    # a layer whose tensors were replaced from outside leaves the store; the cache then keeps paths layer by layer
+    layer = on_store.layers[1]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+    for cache in (on_store, per_layer):
+        for each in cache.layers:
+            each.update(torch.ones(1, 2, 4, 16), torch.ones(1, 2, 4, 16))
+        assert cache.layers[1].keys.shape[-2] == 20
+    assert not _on_store(on_store)
+    for cache in (on_store, per_layer):
+        keep_accepted_path(cache, 16, 4, torch.tensor([0, 3]))
+    for a, b in zip(on_store.layers, per_layer.layers):
+        assert a.keys.shape[-2] == 18 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
