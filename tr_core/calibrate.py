@@ -46,7 +46,7 @@ def machine_key(model: PreTrainedModel) -> str:
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
     # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
     # version when the forward path changes
-    kernels = "head4-gqa-kvbuf" + ("-rowfit2" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
+    kernels = "head4-gqa-lean" + ("-rowfit2" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
     kernels += "-fp16w" if has_fp16_weights(model) else ""
     kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()

@@ -8,63 +8,107 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 
+_OWN = object()  # marks keys/values that are the first ``_length`` positions of the layer's own buffers
+
+
 class PreallocatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys and values are views of buffers allocated for ``capacity`` positions.
+    """A ``DynamicLayer`` whose keys and values are the first positions of buffers allocated for ``capacity``.
 
     transformers' ``DynamicLayer`` concatenates on every update, which copies the whole cache of every layer at every
     step: its cost grows with the context (for the embedded model 2 x 30 layers of keys and values per step). Here an
-    update writes the new positions into the buffer and returns a longer view of it; the buffer is reallocated (at
-    least doubled) only when it is full. ``keys``/``values`` stay views that ``crop`` and in-place writes work on as
-    before; a layer whose tensors were replaced from outside is taken over into a new buffer.
+    update writes the new positions into the buffers; they are reallocated (at least doubled) only when full.
+
+    ``keys``/``values`` read as views of the buffers' first ``length`` positions, made when read (``cut`` shortens a
+    layer without making any). Assigning a prefix view of the buffers (as ``crop`` does) shortens the layer; assigning
+    any other tensor replaces its contents, which the next ``update`` takes over into the buffers.
     """
 
     def __init__(self, capacity: int = 256):
-        super().__init__()
-        self.capacity = max(1, int(capacity))
         self._key_buf: torch.Tensor | None = None
         self._value_buf: torch.Tensor | None = None
+        self._length = [0, 0]  # positions held by the key and the value buffer (equal, but set one at a time)
+        self._views: list[torch.Tensor | None] = [None, None]
+        self._ext: list = [None, None]  # keys/values given from outside, or _OWN
+        super().__init__()
+        self.capacity = max(1, int(capacity))
 
-    def _own_views(self) -> bool:
-        buf = self._key_buf
-        return (buf is not None and self.keys.data_ptr() == buf.data_ptr() and self.values.data_ptr()
-                == self._value_buf.data_ptr() and self.keys.stride() == buf.stride())
+    def _buffer(self, which: int) -> torch.Tensor | None:
+        return self._key_buf if which == 0 else self._value_buf
 
-    def _reserve(self, length: int, needed: int, like: torch.Tensor) -> None:
-        buf = self._key_buf
-        if buf is not None and needed <= buf.shape[-2]:
-            if length and self._own_views():
-                return
-            if not length and (buf.shape[:-2], buf.shape[-1], buf.dtype, buf.device) == (
-                    like.shape[:-2], like.shape[-1], like.dtype, like.device):
-                return  # an empty layer with buffers given in advance (new_cache)
-        capacity = max(needed, self.capacity, 2 * (self._key_buf.shape[-2] if self._key_buf is not None else 0))
-        shape = (*like.shape[:-2], capacity, like.shape[-1])
-        key_buf = like.new_empty(shape)
-        value_buf = like.new_empty(shape)
-        if length:
-            key_buf[..., :length, :] = self.keys
-            value_buf[..., :length, :] = self.values
-        self._key_buf, self._value_buf = key_buf, value_buf
+    def _get(self, which: int):
+        if self._ext[which] is not _OWN:
+            return self._ext[which]
+        view = self._views[which]
+        if view is None or view.shape[-2] != self._length[which]:
+            view = self._views[which] = self._buffer(which).narrow(-2, 0, self._length[which])
+        return view
+
+    def _set(self, which: int, value) -> None:
+        buf = self._buffer(which)
+        if (buf is not None and isinstance(value, torch.Tensor) and value.data_ptr() == buf.data_ptr()
+                and value.stride() == buf.stride() and value.shape[:-2] == buf.shape[:-2]
+                and value.shape[-1] == buf.shape[-1]):  # a prefix of the buffer, as crop() makes
+            self._ext[which], self._length[which] = _OWN, value.shape[-2]
+        else:
+            self._ext[which] = value
+
+    keys = property(lambda self: self._get(0), lambda self, value: self._set(0, value))
+    values = property(lambda self: self._get(1), lambda self, value: self._set(1, value))
+
+    def owns(self) -> bool:
+        """True while keys and values are the buffers' own first positions."""
+        return self._ext[0] is _OWN and self._ext[1] is _OWN and self._length[0] == self._length[1]
+
+    def get_seq_length(self) -> int:
+        if self.owns():
+            return self._length[0]
+        return super().get_seq_length()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length = self.keys.shape[-2] if self.keys.numel() else 0
+        if self.owns():
+            length = self._length[0]
+        else:  # empty, or contents given from outside: into the buffers
+            keys, values = self.keys, self.values
+            length = keys.shape[-2] if keys is not None and keys.numel() else 0
+            self._reserve(0 if length == 0 else -1, length + key_states.shape[-2], key_states)
+            if length:
+                self._key_buf.narrow(-2, 0, length).copy_(keys)
+                self._value_buf.narrow(-2, 0, length).copy_(values)
+            self._ext = [_OWN, _OWN]
         end = length + key_states.shape[-2]
-        self._reserve(length, end, key_states)
+        if end > self._key_buf.shape[-2]:
+            self._reserve(length, end, key_states)
         # narrow() rather than [..., a:b, :]: a few microseconds less per call, 60 calls a step
         self._key_buf.narrow(-2, length, end - length).copy_(key_states)
         self._value_buf.narrow(-2, length, end - length).copy_(value_states)
-        return self.cut(end)
+        self._length = [end, end]
+        return self._get(0), self._get(1)
 
-    def cut(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Make ``keys``/``values`` the buffers' first ``length`` positions (the layer must own its views)."""
-        self.keys = self._key_buf.narrow(-2, 0, length)
-        self.values = self._value_buf.narrow(-2, 0, length)
-        return self.keys, self.values
+    def _reserve(self, length: int, needed: int, like: torch.Tensor) -> None:
+        """Make the buffers hold ``needed`` positions of ``like``'s shape, dtype and device, keeping the first
+        ``length`` positions (-1: none, and new buffers even if the old ones fit: they may be shared)."""
+        buf = self._key_buf
+        if length >= 0 and buf is not None and needed <= buf.shape[-2] and (
+                buf.shape[:-2], buf.shape[-1], buf.dtype, buf.device) == (
+                like.shape[:-2], like.shape[-1], like.dtype, like.device):
+            return  # fits (an empty layer with buffers given in advance by new_cache, too)
+        old = self._key_buf.shape[-2] if self._key_buf is not None else 0
+        shape = (*like.shape[:-2], max(needed, self.capacity, 2 * old), like.shape[-1])
+        key_buf, value_buf = like.new_empty(shape), like.new_empty(shape)
+        if length > 0:
+            key_buf.narrow(-2, 0, length).copy_(self._key_buf.narrow(-2, 0, length))
+            value_buf.narrow(-2, 0, length).copy_(self._value_buf.narrow(-2, 0, length))
+        self._key_buf, self._value_buf, self._views = key_buf, value_buf, [None, None]
+
+    def cut(self, length: int) -> None:
+        """Keep the first ``length`` positions (the layer must ``own`` its contents); no view is made."""
+        self._length = [length, length]
 
     def reset(self) -> None:
         self._key_buf = self._value_buf = None
+        self._views, self._length = [None, None], [0, 0]
         super().reset()
 
 
@@ -95,15 +139,13 @@ def new_cache(config: PretrainedConfig, capacity: int, dtype: torch.dtype | None
 
 
 def _on_store(cache: DynamicCache) -> bool:
-    """True while every layer's keys and values are still views of ``cache.kv_store`` (a layer that outgrew it, or
-    whose tensors were replaced, has left it)."""
+    """True while every layer's keys and values are still in ``cache.kv_store`` (a layer that outgrew it, or whose
+    tensors were replaced, has left it)."""
     starts = getattr(cache, "kv_store_starts", None)
     if starts is None:
         return False
-    stride = cache.kv_store.stride()[1:]
     for layer, (k, v) in zip(cache.layers, starts):
-        keys, values = layer.keys, layer.values
-        if keys.data_ptr() != k or values.data_ptr() != v or keys.stride()[1:] != stride:
+        if not (layer.owns() and layer._key_buf.data_ptr() == k and layer._value_buf.data_ptr() == v):
             return False
     return True
 
