@@ -151,7 +151,9 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
             x=[numbers["tree_nodes"]], y=[numbers["speedup"]], name=f"{method} (measured)", mode="markers+text",
             marker=dict(color=colour, size=13, symbol=["circle", "diamond", "square", "triangle-up"][index % 4]),
             text=[f"{method}: {numbers['speedup']:.2f}×, MAT {mat:.2f}" if mat is not None else method],
-            textposition="top center" if at_size[numbers["tree_nodes"]] % 2 else "bottom center",
+            # labels of the largest trees (near the right edge) extend to the left, so that they are not cut off
+            textposition=("top" if at_size[numbers["tree_nodes"]] % 2 else "bottom")
+            + (" left" if numbers["tree_nodes"] >= 40 else " center"),
             hovertemplate=f"{escape(method)}: %{{x}} nodes, measured %{{y:.2f}}×<extra></extra>"))
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"))  # plain decoding itself
     fig.update_layout(
