@@ -84,11 +84,10 @@ def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     ``argmax`` takes the lowest id among equal maxima, while ``topk`` promises no order among equal values, so rows
     whose two best logits are equal take their greedy choice from ``argmax``.
     """
-    if k < 1:
-        return logits.argmax(dim=-1), None
+    if k < 2:
+        predicted = logits.argmax(dim=-1)
+        return predicted, (predicted[:, None] if k == 1 else None)
     values, top = torch.topk(logits, k, dim=-1)
-    if k == 1:
-        return logits.argmax(dim=-1), top
     predicted = top[:, 0].clone()
     ties = values[:, 0] == values[:, 1]
     if bool(ties.any()):
