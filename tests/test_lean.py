@@ -63,4 +63,3 @@ def test_lean_forward_follows_linears_swapped_after_it_was_made():
         want = model.base_model(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
         got = lean(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
     assert torch.equal(want, got)
-

@@ -155,7 +155,8 @@ def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path:
     the nodes of ``path`` (increasing node indices, root first), so the cache ends at ``past_len + len(path)``.
 
     The accepted nodes are moved down over the tree's first slots (a gather, then a slice write), and the rest of
-    the tree is cut with the public ``crop``.
+    the tree is cut: for all layers at once where they share ``cache.kv_store``, else layer by layer with the public
+    ``crop``.
     """
     kept = path.numel()
     if tree_size == kept:
