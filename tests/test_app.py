@@ -147,9 +147,10 @@ def test_tree_choices_list_the_fitted_tree_then_every_template(tmp_path):
 
 def test_the_tree_note_says_what_the_run_drafts_with():
     tree = SimpleNamespace(size=10, name="auto")
-    fitted = SimpleNamespace(predicted_speedup=1.234)
+    fitted = SimpleNamespace(predicted_speedup=1.234, context=256)
     assert tree_note(SimpleNamespace(tree=tree, fitted=fitted), "auto") == \
-        "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding)"
+        "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step over a " \
+        "256-token context)"
     small = SimpleNamespace(size=13, name="small")
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "auto") == \
         "tree auto: no acceptance statistics for this model, so the small tree (12 draft nodes)"

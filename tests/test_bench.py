@@ -2,7 +2,7 @@
 
 import json
 
-from tr_core.bench import main
+from tr_core.bench import fit_context_for, main
 
 
 def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
@@ -27,6 +27,18 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert "## overall" in printed and "| tr-paper |" in printed
     assert (out / "report.md").is_file() and (out / "speedup.html").is_file() and (out / "tree_size.html").is_file()
     assert results["methods"]["tr-paper"]["tree_nodes"] == 81 and results["config"]["compiled"] is False
+    # where the time went: steps per token, and the time each question spent outside its steps (its prefill)
+    for m in results["methods"].values():
+        assert m["step_ms_per_token"] > 0 and m["outside_steps_s_per_question"] > 0
+    assert "## where the time went" in printed
+    # the auto tree was fitted for these questions' context: their mean prompt plus half the new tokens
+    assert results["config"]["fit_context"] % 64 == 0
+
+
+def test_fit_context_is_the_mean_prompt_plus_half_the_answer_to_a_multiple_of_64():
+    assert fit_context_for([100, 300], 128) == 256  # 200 + 64 = 264 -> 256
+    assert fit_context_for([700, 900], 128) == 896  # 800 + 64 = 864 -> 896 (rounded to the nearest)
+    assert fit_context_for([5], 8) == 64  # never below 64
 
 
 def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():

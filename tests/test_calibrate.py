@@ -51,3 +51,13 @@ def test_calibration_measures_every_size():
     model = tiny_model("qwen2", seed=5)
     curve = measure_forward_ms(model, sizes=(1, 4, 16), prefix=16, repeats=1, use_cache_file=False)
     assert sorted(curve) == [1, 4, 16] and all(t > 0 for t in curve.values())
+
+
+def test_a_short_context_model_is_calibrated_on_the_longest_cache_that_fits(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny_model("gpt2", seed=5)  # learned positions: n_positions bounds the cache
+    limit = model.config.n_positions
+    curve = measure_forward_ms(model, sizes=(1, 4), prefix=limit + 500, repeats=1)
+    assert sorted(curve) == [1, 4]
+    files = list((tmp_path / "token-recycling" / "calibration").glob("*.json"))
+    assert len(files) == 1 and files[0].name.endswith(f"-p{limit - 4 - 1}-median.json")

@@ -120,3 +120,20 @@ def test_greedy_choice_from_top_k_is_argmax_even_on_ties():
     assert torch.equal(top, torch.topk(logits, 4, dim=-1).indices)
     assert greedy_and_top_k(logits, 0)[1] is None and torch.equal(greedy_and_top_k(logits, 0)[0], predicted)
     assert torch.equal(greedy_and_top_k(logits, 1)[0], predicted)
+
+
+def test_accept_takes_the_longest_agreeing_path_and_the_first_on_a_tie():
+    from tr_core.decoding import accept
+
+    tree = build_tree([(0,), (1,), (0, 0), (1, 0)])  # nodes: 0 root, 1 = (0,), 2 = (1,), 3 = (0, 0), 4 = (1, 0)
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    # the model predicts 6 after the root, 8 after node 1: the path 0 -> 1 -> 3 agrees twice
+    assert accept(tokens, torch.tensor([6, 8, 0, 0, 0]), tree).tolist() == [0, 1, 3]
+    # 7 after the root: only node 2 agrees, then 9 after it: 0 -> 2 -> 4
+    assert accept(tokens, torch.tensor([7, 0, 9, 0, 0]), tree).tolist() == [0, 2, 4]
+    # nothing agrees: the root alone
+    assert accept(tokens, torch.tensor([1, 1, 1, 1, 1]), tree).tolist() == [0]
+    # two paths agree once each (a tree may hold the same token twice): the first in leaf order wins
+    twice = torch.tensor([5, 6, 6, 8, 9])
+    assert accept(twice, torch.tensor([6, 0, 0, 0, 0]), tree).tolist() == [0, 1]
+    assert accept(tokens[:1], torch.tensor([6]), build_tree([])).tolist() == [0]

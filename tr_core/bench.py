@@ -98,6 +98,13 @@ def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[Me
     return runners
 
 
+def fit_context_for(prompt_lengths: list[int], max_new_tokens: int) -> int:
+    """The mean context of the questions' decoding steps, to a multiple of 64 (so that runs share calibrations):
+    each prompt's length plus half the new tokens."""
+    mean = statistics.mean(prompt_lengths) + max_new_tokens / 2
+    return max(64, int(round(mean / 64)) * 64)
+
+
 @torch.inference_mode()
 def first_difference(engine: Engine, ids: list[int], plain: list[int], other: list[int]) -> dict:
     """Where an output first leaves plain decoding's, and the two tokens' logits there (from a forward over the
@@ -125,6 +132,11 @@ def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
         "questions": len(records),
         "forward_ms_per_step": round(sum(r.forward_ms for r in records) / sum(r.steps for r in records), 3),
         "overhead_ms_per_step": round(sum(r.overhead_ms for r in records) / sum(r.steps for r in records), 3),
+        # where the time went: the decoding steps per generated token, and what each question spent outside its
+        # steps (the prompt's prefill, which every method pays alike, and a drafter's seeding from it)
+        "step_ms_per_token": round(sum(r.forward_ms + r.overhead_ms for r in records) / sum(r.tokens for r in records), 3),
+        "outside_steps_s_per_question": round(statistics.mean(
+            r.seconds - (r.forward_ms + r.overhead_ms) / 1e3 for r in records), 4),
     }
 
 
@@ -157,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model body for every method (minutes of compiling first; kernels.py)")
+    p.add_argument("--fit-context", type=int, default=None,
+                   help="the context length (tokens) the auto tree's t(N) is calibrated on (default: the questions' "
+                        "mean prompt length plus half the new tokens, to a multiple of 64)")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -165,14 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(m for m in set(methods) - set(ALL_METHODS) if not _sized(m))
     if unknown or args.per_category < 1 or args.max_new_tokens < 1:
         p.error(f"unknown methods {unknown}" if unknown else "--per-category and --max-new-tokens must be >= 1")
+    if args.fit_context is not None and args.fit_context < 1:
+        p.error("--fit-context must be >= 1")
 
     questions = stratified(load_questions(args.questions), args.per_category)
     base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode,
                                                           compile=args.compile))
+    prompts = [encode_prompt(base.tokenizer, q.prompt) for q in questions]
+    # the tree is fitted for the context these questions decode over: the typical step sees the prompt and about
+    # half of the answer
+    fit_context = args.fit_context or fit_context_for([len(ids) for ids in prompts], args.max_new_tokens)
+    base = base.with_config(fit_context=fit_context)
     hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
     runners = build_runners(base, methods, hot)
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    curve = measure_forward_ms(base.model)
+    curve = measure_forward_ms(base.model, prefix=fit_context)
     print(f"mode {mode_dtype(args.mode)[1]}{', compiled body' if args.compile else ''}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if fitted:
         print(f"fitted tree: {fitted.tree.size} nodes (depth {fitted.tree.max_depth}), predicted mean accepted "
               f"tokens {fitted.expected_accepted:.2f}, predicted speedup {fitted.predicted_speedup:.2f}x")
-    print("t(N) ms: " + ", ".join(f"{n}:{t:.0f}" for n, t in curve.items()))
+    print(f"t(N) ms over a {fit_context}-token context: " + ", ".join(f"{n}:{t:.0f}" for n, t in curve.items()))
 
     warm = "Say hello in one short sentence."
     for r in runners:  # warm-up, on a throwaway copy of the matrix
@@ -196,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     order = [plain_runner] + [r for r in runners if r is not plain_runner]
     started = time.perf_counter()
     bar = tqdm(total=len(questions) * len(order), desc="benchmark", unit="run")
-    for qi, q in enumerate(questions):
-        ids = encode_prompt(base.tokenizer, q.prompt)
+    for qi, (q, ids) in enumerate(zip(questions, prompts)):
         plain_ids = None
         # plain runs first (every output is compared with it); the others rotate so none always runs right after it
         rest = order[1:]
@@ -223,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None,
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
-        "t_n_ms": curve, "seconds": round(time.perf_counter() - started, 1),
+        "t_n_ms": curve, "fit_context": fit_context, "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
@@ -258,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     report += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
     report += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
                for n, m in results["methods"].items()]
+    plain_token = results["methods"]["plain"]["step_ms_per_token"]
+    report += ["", "## where the time went (steps only, then the whole question with its prefill)",
+               "| method | forward ms/step | overhead ms/step | mean accepted tokens | step ms per token | "
+               "speedup of the steps | s per question outside steps | speedup |", "|---|---|---|---|---|---|---|---|"]
+    report += [f"| {n} | {m['forward_ms_per_step']:.1f} | {m['overhead_ms_per_step']:.2f} | "
+               f"{m['mean_accepted_tokens']:.2f} | {m['step_ms_per_token']:.1f} | "
+               f"{plain_token / m['step_ms_per_token']:.2f}x | {m['outside_steps_s_per_question']:.2f} | "
+               f"{m['speedup']:.2f}x |" for n, m in results["methods"].items()]
     predicted = [(n, m) for n, m in results["methods"].items() if "predicted_speedup" in m]
     if predicted:
         report += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from .decoding import _tree_mask
+from .decoding import _max_positions, _tree_mask
 from .kernels import OutputHead, RowFittedLinear, body, grouped_query_attention_in_sdpa, has_fp16_weights, is_compiled
 from .kv import new_cache
 from .models import default_cache_dir
@@ -54,12 +54,23 @@ def machine_key(model: PreTrainedModel) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
 
 
+# The context (prompt and answer so far, in tokens) t(N) is calibrated on and the tree fitted for, unless a caller
+# says otherwise. A tree step's extra cost grows with the context: its attention under a mask costs more per cached
+# token than a one-token step's. On the embedded model (fast mode) t(6)/t(1) measured 1.17 over 128 cached tokens,
+# 1.19 over 512 and 1.38 over 1,024. The benchmark fits for its own questions' mean context (bench.py).
+DEFAULT_FIT_CONTEXT = 256
+
+
 @torch.inference_mode()
 def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
-                       prefix: int = 128, repeats: int = 7, use_cache_file: bool = True) -> dict[int, float]:
+                       prefix: int = DEFAULT_FIT_CONTEXT, repeats: int = 7,
+                       use_cache_file: bool = True) -> dict[int, float]:
     """Time (ms, median of ``repeats``, made non-decreasing in N) of a step's model work for N tree tokens (the first
     N nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, the argmax, and
     for N > 1 the top-k of every node. The sizes are timed in turn, ``repeats`` rounds."""
+    max_pos = _max_positions(model)
+    if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
+        prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
     path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-median.json"
     if use_cache_file and path.is_file():
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
@@ -147,6 +158,7 @@ class FittedTree:
     expected_accepted: float  # expected tokens per step, bonus included
     predicted_speedup: float  # over plain decoding, from t(N) and the overhead
     table: list[dict]  # one row per candidate size: nodes, expected_accepted, step_ms, predicted_speedup
+    context: int | None = None  # the context length (tokens) t(N) was calibrated on
 
 
 def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
@@ -189,9 +201,11 @@ def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTAN
     return (acceptance_dir / f"{model_slug(model)}.json").is_file()
 
 
-def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None) -> FittedTree:
-    """The tree fitted to this model on this machine: shipped acceptance statistics + a calibrated t(N). With
-    ``size``, the ``size`` likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
+def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None,
+              context: int = DEFAULT_FIT_CONTEXT) -> FittedTree:
+    """The tree fitted to this model on this machine: shipped acceptance statistics + t(N) calibrated over a
+    ``context``-token cache. With ``size``, the ``size`` likeliest nodes instead (named ``auto-<size>``), to compare
+    sizes."""
     path = acceptance_dir / f"{model_slug(model)}.json"
     if not path.is_file():
         raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
@@ -201,4 +215,6 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     if [list(p) for p in source.node_paths] != stats["node_paths"]:
         raise ValueError(f"{path}: node_paths are not in BFS order")
     name = "auto" if size is None else f"auto-{size}"
-    return fit_tree(source, stats["acceptance"], measure_forward_ms(model), name=name, size=size)
+    fitted = fit_tree(source, stats["acceptance"], measure_forward_ms(model, prefix=context), name=name, size=size)
+    fitted.context = context
+    return fitted

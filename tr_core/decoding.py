@@ -67,13 +67,16 @@ def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> 
     """
     if tree.size == 1:
         return tree.paths.new_zeros(1)
-    paths = tree.paths
-    child, parent = paths[:, 1:], paths[:, :-1]
-    valid = child >= 0
-    agree = (tokens[child.clamp(min=0)] == predicted[parent.clamp(min=0)]) & valid
-    lengths = agree.long().cumprod(dim=1).sum(dim=1)
-    best = int(torch.argmax(lengths))
-    return paths[best, : int(lengths[best]) + 1]
+    # over Python lists: a tree of a few nodes is checked in microseconds, where tensor ops cost ~10 us each
+    toks, pred = tokens.tolist(), predicted.tolist()
+    best, best_len = (0,), 0
+    for path in tree.path_lists:
+        n = 1
+        while n < len(path) and toks[path[n]] == pred[path[n - 1]]:
+            n += 1
+        if n > best_len:  # strictly longer: the first path in leaf order wins a tie
+            best, best_len = path, n
+    return torch.tensor(best[:best_len], dtype=torch.long, device=tree.paths.device)
 
 
 def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,7 +20,7 @@ from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
-from .calibrate import FittedTree, auto_tree, has_acceptance_stats, model_slug
+from .calibrate import DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, has_acceptance_stats, model_slug
 from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
@@ -39,6 +39,7 @@ class EngineConfig:
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
+    fit_context: int = DEFAULT_FIT_CONTEXT  # "auto" trees: the context length (tokens) t(N) is calibrated on
     mode: str = "exact"  # "exact" (fp32) or "fast" (fp16 weights on x86 CPUs, else bf16); see kernels.py
     compile: bool = False  # torch.compile the model body: faster steps after minutes of compiling (kernels.py)
     pld_max_ngram: int = 3
@@ -49,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
+        if self.fit_context < 1:
+            raise ValueError(f"fit_context must be at least 1 token, got {self.fit_context}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.tree != AUTO and not self.tree.startswith(AUTO + "-"):
@@ -67,7 +70,8 @@ def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedT
     fitted = None
     sized = config.tree.startswith(AUTO + "-") and config.tree[len(AUTO) + 1:].isdigit()
     if (config.tree == AUTO or sized) and has_acceptance_stats(model):
-        fitted = auto_tree(model, size=int(config.tree[len(AUTO) + 1:]) if sized else None)
+        fitted = auto_tree(model, size=int(config.tree[len(AUTO) + 1:]) if sized else None,
+                           context=config.fit_context)
     elif sized:
         raise ValueError(f"tree {config.tree!r} needs acceptance statistics for this model "
                          "(python -m tr_core.build_assets)")
@@ -125,7 +129,8 @@ class Engine:
         engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head = (
             self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head)
         engine.config = config
-        if config.tree == self.config.tree and config.top_k == self.config.top_k:
+        if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
+                                                               self.config.fit_context):
             engine.fitted, engine.tree = self.fitted, self.tree  # no need to fit or load the tree again
         else:
             engine.fitted, engine.tree = _resolve_tree(self.model, config)

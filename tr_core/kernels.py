@@ -47,9 +47,18 @@ def fp16_weights_available() -> bool:
 
 
 def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    # the op's overload, not its packet: calling the packet checks in Python whether to dispatch there, ~8 us a
-    # call, ~1.7 ms of a one-token step over the embedded model's 210 linears
-    return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+    # the C++ operator itself where there is one: calling the op's packet, or even its overload, first checks in
+    # Python whether to dispatch in Python (for tracing), microseconds a call, 210 calls a step of the embedded model
+    global _fp16_op
+    if torch.compiler.is_compiling():  # a compiled body traces the overload
+        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+    if _fp16_op is None:
+        overload = torch.ops.quantized.linear_dynamic_fp16.default
+        _fp16_op = getattr(overload, "_op", overload)
+    return _fp16_op(x, packed)
+
+
+_fp16_op = None  # the C++ operator of fbgemm's fp16-weight linear, found on first use
 
 
 def mode_dtype(mode: str) -> tuple[torch.dtype, str]:

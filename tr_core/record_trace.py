@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     shipped = engine.shipped_matrix_path()
     if shipped is None:
         p.error(f"no shipped hot-start matrix for k={args.top_k}: run python -m tr_core.build_assets first")
-    curve = measure_forward_ms(engine.model)  # cached per machine after its first measurement
-    sizes = auto_tree(engine.model).table
+    curve = measure_forward_ms(engine.model, prefix=engine.config.fit_context)  # cached per machine and context
+    sizes = auto_tree(engine.model, context=engine.config.fit_context).table
     slug = model_slug(engine.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def tree_choices(dirs: tuple[Path, ...] = TREE_DIRS) -> list[tuple[str, str]]:
 
 def tree_note(engine: Engine, requested: str) -> str:
     """What tree a run drafts with, e.g. ``"tree auto: 9 draft nodes fitted to this machine (predicted 1.3× over
-    plain decoding)"``."""
+    plain decoding, per step over a 256-token context)"``."""
     nodes = f"{engine.tree.size - 1} draft nodes"
     if requested != AUTO:
         return f"tree {requested}: {nodes}"
@@ -104,7 +104,9 @@ def tree_note(engine: Engine, requested: str) -> str:
     if engine.tree.size == 1:
         return ("tree auto: no draft nodes: on this machine, verifying even one draft token costs more than it is "
                 "expected to save, so the fitted tree is plain decoding; pick another tree to watch drafting")
-    return f"tree auto: {nodes} fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding)"
+    context = getattr(fitted, "context", None)
+    where = f", per step over a {context}-token context" if context else ""
+    return f"tree auto: {nodes} fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where})"
 
 
 def hot_start_files(model, top_k: int, folder: Path = HOT_START_DIR) -> list[Path]:
