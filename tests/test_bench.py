@@ -55,3 +55,10 @@ def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():
     assert [(m.name, list(m.x), list(m.y)) for m in markers] == [("tr (measured)", [4], [1.25]),
                                                                   ("tr-paper (measured)", [81], [0.5])]
     assert "MAT 2.30" in markers[1].text[0]
+    # with the steps' own time per token, one more trace: each tree's steps against plain's
+    bench["methods"]["plain"]["step_ms_per_token"] = 60.0
+    bench["methods"]["tr"]["step_ms_per_token"] = 40.0
+    bench["methods"]["tr-paper"]["step_ms_per_token"] = 100.0
+    line, steps, *markers = tree_size_figure(bench).data
+    assert steps.name.startswith("steps only") and list(steps.x) == [4, 81] and list(steps.y) == [1.5, 0.6]
+    assert len(markers) == 2

@@ -129,7 +129,9 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
 
     The line is the prediction the fitted tree was chosen by (``config.fitted_tree.table``: the likeliest nodes of
     the acceptance statistics, expected accepted tokens / calibrated t(N)); the markers are the Token Recycling
-    methods as measured (``tree_nodes``, ``speedup``), labelled with their measured mean accepted tokens."""
+    methods as measured (``tree_nodes``, ``speedup``), labelled with their measured mean accepted tokens. Where the
+    results say how long the steps took per token (``step_ms_per_token``), open grey circles show the steps' own
+    speedup, which is what the line predicts: the end-to-end speedup also carries each question's prefill."""
     fitted = (benchmark.get("config") or {}).get("fitted_tree") or {}
     table = fitted.get("table") or []
     fig = go.Figure()
@@ -140,6 +142,18 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
             customdata=[[row["expected_accepted"], row["step_ms"]] for row in table],
             hovertemplate="%{x} nodes: predicted %{y:.2f}×<br>expected accepted tokens %{customdata[0]:.2f}, "
                           "step %{customdata[1]:.0f} ms<extra></extra>"))
+    # the steps alone (each method's step time per token against plain's): what the prediction models, before the
+    # prompt's prefill, which every method pays alike, pulls the end-to-end speedups towards 1
+    plain_token = benchmark["methods"].get("plain", {}).get("step_ms_per_token")
+    steps = [(numbers["tree_nodes"], plain_token / numbers["step_ms_per_token"], method)
+             for method, numbers in benchmark["methods"].items()
+             if "tree_nodes" in numbers and numbers.get("step_ms_per_token") and plain_token]
+    if steps:
+        fig.add_trace(go.Scatter(
+            x=[n for n, _, _ in steps], y=[v for _, v, _ in steps], name="steps only (measured, prefill left out)",
+            mode="markers", marker=dict(color=GREY, size=11, symbol="circle-open", line=dict(width=2)),
+            customdata=[m for _, _, m in steps],
+            hovertemplate="%{customdata}: %{x} nodes, its steps %{y:.2f}× plain's per token<extra></extra>"))
     at_size: Counter = Counter()  # markers already drawn at each tree size: their labels go above, then below
     for index, (method, numbers) in enumerate(benchmark["methods"].items()):
         if "tree_nodes" not in numbers:
