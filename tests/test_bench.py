@@ -2,7 +2,7 @@
 
 import json
 
-from tr_core.bench import fit_context_for, main
+from tr_core.bench import main, question_contexts
 
 
 def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
@@ -31,14 +31,13 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     for m in results["methods"].values():
         assert m["step_ms_per_token"] > 0 and m["outside_steps_s_per_question"] > 0
     assert "## where the time went" in printed
-    # the auto tree was fitted for these questions' context: their mean prompt plus half the new tokens
-    assert results["config"]["fit_context"] % 64 == 0
+    # the auto tree was fitted on t(N) averaged over the questions' contexts (each prompt plus half the answer)
+    assert results["config"]["fit_context"].startswith("4 contexts of ")
+    assert "t(N) ms over 4 contexts of" in printed
 
 
-def test_fit_context_is_the_mean_prompt_plus_half_the_answer_to_a_multiple_of_64():
-    assert fit_context_for([100, 300], 128) == 256  # 200 + 64 = 264 -> 256
-    assert fit_context_for([700, 900], 128) == 896  # 800 + 64 = 864 -> 896 (rounded to the nearest)
-    assert fit_context_for([5], 8) == 64  # never below 64
+def test_each_question_decodes_over_its_prompt_and_half_its_answer():
+    assert question_contexts([100, 300], 128) == (164, 364)
 
 
 def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():

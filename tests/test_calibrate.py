@@ -61,3 +61,36 @@ def test_a_short_context_model_is_calibrated_on_the_longest_cache_that_fits(monk
     assert sorted(curve) == [1, 4]
     files = list((tmp_path / "token-recycling" / "calibration").glob("*.json"))
     assert len(files) == 1 and files[0].name.endswith(f"-p{limit - 4 - 1}-median.json")
+
+
+def test_context_weights_split_each_context_between_the_grid_points_around_it():
+    from tr_core.calibrate import context_weights
+
+    assert context_weights([256]) == {256: 1.0}
+    assert context_weights([384], grid=(128, 256, 512)) == {256: 0.5, 512: 0.5}
+    # clamped at the ends; weights are shares of the contexts
+    assert context_weights([10, 5000], grid=(128, 256)) == {128: 0.5, 256: 0.5}
+    w = context_weights([192, 1024, 300], grid=(128, 256, 512, 1024))
+    assert abs(sum(w.values()) - 1) < 1e-12 and w[1024] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        context_weights([])
+
+
+def test_t_n_over_many_contexts_is_the_weighted_mean_of_their_calibrations(monkeypatch):
+    from tr_core import calibrate
+
+    fake = {128: {1: 10.0, 4: 12.0}, 256: {1: 20.0, 4: 30.0}}
+    monkeypatch.setattr(calibrate, "measure_forward_ms", lambda model, prefix, **kw: fake[prefix])
+    assert calibrate.context_curve(None, 128) == fake[128]
+    mixed = calibrate.context_curve(None, (128, 192, 256, 256))  # weights: 128 -> 3/8, 256 -> 5/8
+    # context_weights uses the module's grid, whose first two points are 128 and 256
+    assert mixed == pytest.approx({1: 10 * 3 / 8 + 20 * 5 / 8, 4: 12 * 3 / 8 + 30 * 5 / 8})
+
+
+def test_the_fit_context_must_be_token_counts():
+    from tr_core.engine import EngineConfig
+
+    assert EngineConfig(fit_context=(100, 900)).fit_context == (100, 900)
+    for bad in (0, (), (100, 0), [256], "256"):
+        with pytest.raises(ValueError, match="fit_context"):
+            EngineConfig(fit_context=bad)

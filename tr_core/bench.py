@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .calibrate import measure_forward_ms
+from .calibrate import context_curve, context_weights, describe_context
 from .decoding import run
 from .engine import Engine, EngineConfig
 from .kernels import mode_dtype
@@ -98,11 +98,9 @@ def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[Me
     return runners
 
 
-def fit_context_for(prompt_lengths: list[int], max_new_tokens: int) -> int:
-    """The mean context of the questions' decoding steps, to a multiple of 64 (so that runs share calibrations):
-    each prompt's length plus half the new tokens."""
-    mean = statistics.mean(prompt_lengths) + max_new_tokens / 2
-    return max(64, int(round(mean / 64)) * 64)
+def question_contexts(prompt_lengths: list[int], max_new_tokens: int) -> tuple[int, ...]:
+    """Each question's typical context in decoding: its prompt plus half the new tokens."""
+    return tuple(n + max_new_tokens // 2 for n in prompt_lengths)
 
 
 @torch.inference_mode()
@@ -170,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model body for every method (minutes of compiling first; kernels.py)")
     p.add_argument("--fit-context", type=int, default=None,
-                   help="the context length (tokens) the auto tree's t(N) is calibrated on (default: the questions' "
-                        "mean prompt length plus half the new tokens, to a multiple of 64)")
+                   help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
+                        "over the questions' contexts, each its prompt plus half the new tokens)")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -187,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode,
                                                           compile=args.compile))
     prompts = [encode_prompt(base.tokenizer, q.prompt) for q in questions]
-    # the tree is fitted for the context these questions decode over: the typical step sees the prompt and about
-    # half of the answer
-    fit_context = args.fit_context or fit_context_for([len(ids) for ids in prompts], args.max_new_tokens)
+    # the tree is fitted for the contexts these questions decode over: a typical step of each sees its prompt and
+    # about half of its answer, and t(N) is averaged over them (a step's cost is not linear in its context)
+    fit_context = args.fit_context or question_contexts([len(ids) for ids in prompts], args.max_new_tokens)
     base = base.with_config(fit_context=fit_context)
     hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
     runners = build_runners(base, methods, hot)
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    curve = measure_forward_ms(base.model, prefix=fit_context)
+    curve = context_curve(base.model, fit_context)
     print(f"mode {mode_dtype(args.mode)[1]}{', compiled body' if args.compile else ''}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
@@ -205,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if fitted:
         print(f"fitted tree: {fitted.tree.size} nodes (depth {fitted.tree.max_depth}), predicted mean accepted "
               f"tokens {fitted.expected_accepted:.2f}, predicted speedup {fitted.predicted_speedup:.2f}x")
-    print(f"t(N) ms over a {fit_context}-token context: " + ", ".join(f"{n}:{t:.0f}" for n, t in curve.items()))
+    weights = "" if isinstance(fit_context, int) else " (calibrated at " + ", ".join(
+        f"{g} tokens x {w:.2f}" for g, w in context_weights(fit_context).items()) + ")"
+    print(f"t(N) ms over {describe_context(fit_context)}{weights}: "
+          + ", ".join(f"{n}:{t:.0f}" for n, t in curve.items()))
 
     warm = "Say hello in one short sentence."
     for r in runners:  # warm-up, on a throwaway copy of the matrix
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None,
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
-        "t_n_ms": curve, "fit_context": fit_context, "seconds": round(time.perf_counter() - started, 1),
+        "t_n_ms": curve, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,

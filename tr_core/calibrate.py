@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -55,10 +56,13 @@ def machine_key(model: PreTrainedModel) -> str:
 
 
 # The context (prompt and answer so far, in tokens) t(N) is calibrated on and the tree fitted for, unless a caller
-# says otherwise. A tree step's extra cost grows with the context: its attention under a mask costs more per cached
-# token than a one-token step's. On the embedded model (fast mode) t(6)/t(1) measured 1.17 over 128 cached tokens,
-# 1.19 over 512 and 1.38 over 1,024. The benchmark fits for its own questions' mean context (bench.py).
+# says otherwise. A tree step's extra cost grows with the context, faster than linearly: on the embedded model (fast
+# mode) t(6) - t(1) measured 6.9 ms over 128 cached tokens, 8.8 over 512 and 16.3 over 1,024. So a workload of many
+# contexts (the benchmark's questions) is fitted on t(N) averaged over its contexts (``context_curve``), not on t(N)
+# at their mean context.
 DEFAULT_FIT_CONTEXT = 256
+# contexts t(N) is measured at when it is averaged over many; each context in between is interpolated linearly
+CONTEXT_GRID = (128, 256, 512, 1024, 2048)
 
 
 @torch.inference_mode()
@@ -126,6 +130,44 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     return result
 
 
+def context_weights(contexts: Sequence[int], grid: Sequence[int] = CONTEXT_GRID) -> dict[int, float]:
+    """How much each calibration context weighs in the mean of t(N) over ``contexts``: each context's weight goes to
+    the two grid points around it, by linear interpolation (clamped at the grid's ends). Weights sum to 1."""
+    if not contexts:
+        raise ValueError("no contexts to average t(N) over")
+    grid = sorted(grid)
+    weights: dict[int, float] = {}
+    for c in contexts:
+        if c <= grid[0] or c >= grid[-1]:
+            g = grid[0] if c <= grid[0] else grid[-1]
+            weights[g] = weights.get(g, 0.0) + 1.0
+            continue
+        hi = next(i for i, g in enumerate(grid) if g >= c)
+        a, b = grid[hi - 1], grid[hi]
+        f = (c - a) / (b - a)
+        weights[a] = weights.get(a, 0.0) + 1.0 - f
+        weights[b] = weights.get(b, 0.0) + f
+    return {g: w / len(contexts) for g, w in sorted(weights.items()) if w > 0}
+
+
+def context_curve(model: PreTrainedModel, context: int | Sequence[int], **measure) -> dict[int, float]:
+    """t(N) over one context length, or averaged over many (e.g. one per benchmark question: each is a workload's
+    share of the steps), from calibrations at the grid points around them (``context_weights``)."""
+    if isinstance(context, int):
+        return measure_forward_ms(model, prefix=context, **measure)
+    curves = {g: (w, measure_forward_ms(model, prefix=g, **measure)) for g, w in context_weights(context).items()}
+    sizes = next(iter(curves.values()))[1]
+    return {n: sum(w * curve[n] for w, curve in curves.values()) for n in sizes}
+
+
+def describe_context(context: int | Sequence[int]) -> str:
+    """``"a 256-token context"`` or ``"30 contexts of 53-990 tokens (mean 347)"``."""
+    if isinstance(context, int):
+        return f"a {context}-token context"
+    return (f"{len(context)} contexts of {min(context)}-{max(context)} tokens "
+            f"(mean {statistics.mean(context):.0f})")
+
+
 def interpolate(curve: dict[int, float], n: int) -> float:
     """t(n) by linear interpolation between measured sizes (flat beyond the ends)."""
     xs = sorted(curve)
@@ -158,7 +200,7 @@ class FittedTree:
     expected_accepted: float  # expected tokens per step, bonus included
     predicted_speedup: float  # over plain decoding, from t(N) and the overhead
     table: list[dict]  # one row per candidate size: nodes, expected_accepted, step_ms, predicted_speedup
-    context: int | None = None  # the context length (tokens) t(N) was calibrated on
+    context: int | tuple[int, ...] | None = None  # the context length(s) (tokens) t(N) was calibrated on
 
 
 def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
@@ -202,10 +244,10 @@ def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTAN
 
 
 def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None,
-              context: int = DEFAULT_FIT_CONTEXT) -> FittedTree:
+              context: int | Sequence[int] = DEFAULT_FIT_CONTEXT) -> FittedTree:
     """The tree fitted to this model on this machine: shipped acceptance statistics + t(N) calibrated over a
-    ``context``-token cache. With ``size``, the ``size`` likeliest nodes instead (named ``auto-<size>``), to compare
-    sizes."""
+    ``context``-token cache (or averaged over several contexts, ``context_curve``). With ``size``, the ``size``
+    likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
     path = acceptance_dir / f"{model_slug(model)}.json"
     if not path.is_file():
         raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
@@ -215,6 +257,6 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     if [list(p) for p in source.node_paths] != stats["node_paths"]:
         raise ValueError(f"{path}: node_paths are not in BFS order")
     name = "auto" if size is None else f"auto-{size}"
-    fitted = fit_tree(source, stats["acceptance"], measure_forward_ms(model, prefix=context), name=name, size=size)
+    fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size)
     fitted.context = context
     return fitted

@@ -39,7 +39,8 @@ class EngineConfig:
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
-    fit_context: int = DEFAULT_FIT_CONTEXT  # "auto" trees: the context length (tokens) t(N) is calibrated on
+    fit_context: int | tuple[int, ...] = DEFAULT_FIT_CONTEXT  # "auto" trees: the context length (tokens) t(N) is
+    #                     calibrated on, or several, to fit on t(N) averaged over them (calibrate.context_curve)
     mode: str = "exact"  # "exact" (fp32) or "fast" (fp16 weights on x86 CPUs, else bf16); see kernels.py
     compile: bool = False  # torch.compile the model body: faster steps after minutes of compiling (kernels.py)
     pld_max_ngram: int = 3
@@ -50,8 +51,10 @@ class EngineConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
-        if self.fit_context < 1:
-            raise ValueError(f"fit_context must be at least 1 token, got {self.fit_context}")
+        contexts = (self.fit_context,) if isinstance(self.fit_context, int) else self.fit_context
+        if not isinstance(contexts, tuple) or not contexts or not all(isinstance(c, int) and c >= 1 for c in contexts):
+            raise ValueError(f"fit_context must be a token count >= 1, or a non-empty tuple of them; "
+                             f"got {self.fit_context!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.tree != AUTO and not self.tree.startswith(AUTO + "-"):

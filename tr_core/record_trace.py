@@ -24,7 +24,7 @@ import json
 import time
 from pathlib import Path
 
-from .calibrate import auto_tree, machine_key, measure_forward_ms, model_slug
+from .calibrate import auto_tree, context_curve, machine_key, model_slug
 from .engine import ASSETS_DIR, Engine, EngineConfig
 from .events import StepEvent
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped = engine.shipped_matrix_path()
     if shipped is None:
         p.error(f"no shipped hot-start matrix for k={args.top_k}: run python -m tr_core.build_assets first")
-    curve = measure_forward_ms(engine.model, prefix=engine.config.fit_context)  # cached per machine and context
+    curve = context_curve(engine.model, engine.config.fit_context)  # cached per machine and context
     sizes = auto_tree(engine.model, context=engine.config.fit_context).table
     slug = model_slug(engine.model)
     out = Path(args.out)

@@ -105,7 +105,7 @@ def tree_note(engine: Engine, requested: str) -> str:
         return ("tree auto: no draft nodes: on this machine, verifying even one draft token costs more than it is "
                 "expected to save, so the fitted tree is plain decoding; pick another tree to watch drafting")
     context = getattr(fitted, "context", None)
-    where = f", per step over a {context}-token context" if context else ""
+    where = f", per step over a {context}-token context" if isinstance(context, int) else ""
     return f"tree auto: {nodes} fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where})"
 
 
