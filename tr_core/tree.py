@@ -19,11 +19,9 @@ and so on. Templates are written compactly as a *branching map* ``{parent path: 
 
 from __future__ import annotations
 
-import functools
-
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -113,7 +111,7 @@ class TreeBuffers:
     def max_depth(self) -> int:
         return len(self.levels)
 
-    @functools.cached_property
+    @cached_property
     def path_lists(self) -> tuple[tuple[int, ...], ...]:
         """``paths`` as Python tuples without the padding: every root-to-leaf path's node indices, root first."""
         return tuple(tuple(i for i in row if i >= 0) for row in self.paths.tolist())
