@@ -24,7 +24,8 @@ from tr_core.kernels import MODES, mode_dtype  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
 from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
-from ui.render import (ANSWER_LEGEND, Counters, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
+from tr_core.events import Rates  # noqa: E402
+from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
                        history_html, lanes_html, method_label, race_table_html)
 from ui.errors import user_errors  # noqa: E402
 from ui.inputs import (MAX_NEW_TOKENS, TOP_K, InputError, check_choice, check_flag, check_model_id,  # noqa: E402
@@ -112,13 +113,13 @@ class Handlers:
         prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode = self._checked(
             prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode)
         if not self.models.loaded(model_id, mode):
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Counters(), "loading the model (once per process and "
+            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "loading the model (once per process and "
                                                                         "mode)…"))
         try:
             engine, note = self._engine(session, model_id, tree, top_k, hot_start, mode)
             ids, prompt_note = prompt_ids(engine.tokenizer, prompt, max_new_tokens, engine.context_length)
         except Exception:
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Counters(), "not run: see the message"))
+            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "not run: see the message"))
             raise
         start = session.matrix_start(hot_start)
         session.begin_run(model_id, tree, top_k, start, hot_start)
@@ -127,7 +128,7 @@ class Handlers:
         session.note = "; ".join(filter(None, [prompt_note, f"mode {mode_dtype(mode)[1]}", tree_note(engine, tree),
                                                f"adjacency matrix: {note}"]))
         yield _out(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
-                   counters=counters_html(Counters(), "running", session.note), step=_step_slider(1, 0))
+                   counters=counters_html(Rates(), "running", session.note), step=_step_slider(1, 0))
         steps, compute = engine.stream(ids, max_new_tokens), 0.0
         shown_at = drawn_at = time.perf_counter()
         while not session.stop_requested:
@@ -140,7 +141,7 @@ class Handlers:
             if event is None:
                 break
             events.append(event)
-            session.counters = Counters(event.total_steps, event.total_tokens, compute)
+            session.counters = Rates(event.total_tokens, event.total_steps, compute)
             now = time.perf_counter()
             if event.finished or (len(events) > 1 and now - shown_at < TEXT_EVERY_S):
                 continue  # the last step is shown below; between updates, steps gather
@@ -195,7 +196,7 @@ class Handlers:
         """A fresh session: the matrix goes back to the shipped hot start, the history is cleared."""
         session = Session()
         return (session, answer_html([], placeholder="Reset: your matrix starts again from the shipped hot start."),
-                counters_html(Counters()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
+                counters_html(Rates()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
                 _step_slider(1, 0), history_html(session.history))
 
     @user_errors
@@ -335,7 +336,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                     run = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run")
                     stop = gr.Button("Stop", size="md", scale=1, elem_id="stop")
                     reset = gr.Button("Reset my matrix and history", size="md", scale=1, elem_id="reset")
-                counters = gr.HTML(counters_html(Counters()), elem_id="counters")
+                counters = gr.HTML(counters_html(Rates()), elem_id="counters")
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=5):
                         gr.HTML(ANSWER_LEGEND)

@@ -18,12 +18,12 @@ os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 
 import app  # noqa: E402
 from tr_core.engine import Engine  # noqa: E402
-from tr_core.events import RowUpdate, StepEvent  # noqa: E402
+from tr_core.events import Rates, RowUpdate, StepEvent  # noqa: E402
 from tr_core.matrix import AdjacencyMatrix  # noqa: E402
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError  # noqa: E402
 from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
 from ui import session as session_mod  # noqa: E402
-from ui.render import (Counters, RaceRun, answer_html, counters_html, first_difference, history_html,  # noqa: E402
+from ui.render import (RaceRun, answer_html, counters_html, first_difference, history_html,  # noqa: E402
                        lanes_html, race_table_html, split_step)
 from ui.session import (ModelCache, Session, starting_matrix, tree_choices, tree_names,  # noqa: E402
                         tree_note)
@@ -78,12 +78,12 @@ def test_the_answer_marks_multi_token_steps_and_escapes_text():
 
 
 def test_counters_measure_decoding_time():
-    c = Counters(steps=4, tokens=10, compute_s=2.0)
+    c = Rates(steps=4, tokens=10, seconds=2.0)
     assert (c.mean_accepted_tokens, c.tokens_per_s) == (2.5, 5.0)
     page = counters_html(c, "running")
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
     assert values == {"steps": "4", "tokens": "10", "mean_accepted_tokens": "2.50", "tokens_per_s": "5.0"}
-    assert Counters().tokens_per_s == 0.0
+    assert Rates().tokens_per_s == 0.0
 
 
 def test_first_difference():

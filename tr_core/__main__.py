@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         "text": result.text,
         "token_ids": result.token_ids,
         "steps": result.steps,
-        "mean_accepted_tokens": round(result.mean_accepted_tokens, 4),
-        "tokens_per_s": round(result.tokens_per_s, 3),
+        "mean_accepted_tokens": round(result.rates.mean_accepted_tokens, 4),
+        "tokens_per_s": round(result.rates.tokens_per_s, 3),
         "elapsed_s": round(result.elapsed_s, 4),
         "stop_reason": result.stop_reason,
         "tree": engine.tree.name if args.method == "tr" else None,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(result.text)
         print(f"\n[{args.method}] {len(result.token_ids)} tokens in {result.steps} steps, "
-              f"mean accepted tokens {result.mean_accepted_tokens:.2f}, {result.tokens_per_s:.1f} tokens/s, "
+              f"mean accepted tokens {result.rates.mean_accepted_tokens:.2f}, {result.rates.tokens_per_s:.1f} tokens/s, "
               f"stopped by {result.stop_reason}", file=sys.stderr)
     return 0
 

@@ -19,7 +19,7 @@ from typing import Iterator, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from .events import RowUpdate, StepEvent
+from .events import Rates, RowUpdate, StepEvent
 from .kv import keep_accepted_path, new_cache
 from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
 from .text import TokenText
@@ -51,12 +51,8 @@ class DecodeResult:
     events: list[StepEvent] = field(default_factory=list)
 
     @property
-    def mean_accepted_tokens(self) -> float:
-        return len(self.token_ids) / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+    def rates(self) -> Rates:
+        return Rates(len(self.token_ids), self.steps, self.elapsed_s)
 
 
 def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:

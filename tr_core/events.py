@@ -10,6 +10,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 
+@dataclass(frozen=True)
+class Rates:
+    """The two rates every run reports, from its counts: mean accepted tokens (tokens per forward pass, the bonus
+    token counted) and tokens per second.
+
+    >>> r = Rates(tokens=10, steps=4, seconds=2.0)
+    >>> r.mean_accepted_tokens, r.tokens_per_s
+    (2.5, 5.0)
+    >>> Rates().tokens_per_s
+    0.0
+    """
+
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 @dataclass
 class RowUpdate:
     """One adjacency-matrix row overwritten after a step: ``token``'s candidates went from ``old`` to ``new``."""
@@ -57,13 +82,9 @@ class StepEvent:
         return len(self.accepted_path) - 1
 
     @property
-    def mean_accepted_tokens(self) -> float:
-        """Tokens produced per forward pass so far (counting the bonus token)."""
-        return self.total_tokens / self.total_steps if self.total_steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.total_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+    def rates(self) -> Rates:
+        """The run's rates so far: tokens per forward pass (bonus token counted) and tokens per second."""
+        return Rates(self.total_tokens, self.total_steps, self.elapsed_s)
 
     def to_dict(self) -> dict:
         return asdict(self)

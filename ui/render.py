@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Mapping, Sequence
 
-from tr_core.events import StepEvent
+from tr_core.events import Rates, StepEvent
 
 METHOD_NAMES = {"plain": "plain greedy decoding", "pld": "Prompt Lookup Decoding", "tr": "Token Recycling"}
 STOP_REASONS = {"eos": "the model ended its answer", "max_new_tokens": "reached max new tokens",
@@ -64,25 +64,9 @@ ANSWER_LEGEND = ('<div class="tr-legend"><span class="tr-draft">accepted draft t
                  "unmarked text came one token per step. Hover a step for its count.</div>")
 
 
-@dataclass(frozen=True)
-class Counters:
-    """What the live counters show after a step. ``compute_s`` is the time spent inside the decoder (prefill
-    included), not drawing the page, so tokens/s compares with the command line's."""
-
-    steps: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.compute_s if self.compute_s > 0 else 0.0
-
-
-def counters_html(c: Counters, status: str = "", note: str = "") -> str:
+def counters_html(c: Rates, status: str = "", note: str = "") -> str:
+    """The live counters after a step: ``c`` counts the time spent inside the decoder (prefill included), not
+    drawing the page, so its tokens/s compares with the command line's."""
     stats = [("steps", str(c.steps), "steps (forward passes)"),
              ("tokens", str(c.tokens), "tokens produced"),
              ("mean_accepted_tokens", f"{c.mean_accepted_tokens:.2f}", "mean accepted tokens per step"),
@@ -123,12 +107,8 @@ class RaceRun:
         return self.events[-1].elapsed_s if self.events else 0.0
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.events[-1].tokens_per_s if self.events else 0.0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        return self.events[-1].mean_accepted_tokens if self.events else 0.0
+    def rates(self) -> Rates:
+        return self.events[-1].rates if self.events else Rates()
 
 
 def method_label(method: str, tree: str | None = None) -> str:
@@ -151,7 +131,7 @@ def lanes_html(runs: Mapping[str, RaceRun | None], at_s: float | None, tree: str
             tokens = last.total_tokens if last else 0
             steps = last.total_steps if last else 0
             foot = (f"{tokens} tokens in {steps} steps, {clock:.1f} s"
-                    + (f" — done, {run.tokens_per_s:.1f} tokens/s" if done else ""))
+                    + (f" — done, {run.rates.tokens_per_s:.1f} tokens/s" if done else ""))
             body = answer_html(shown)
         lanes.append(f'<div class="tr-lane tr-lane-{escape(method)}" data-method="{escape(method)}">'
                      f"<h4>{escape(method_label(method, tree))}</h4>{body}"
@@ -186,11 +166,12 @@ def race_table_html(runs: Mapping[str, RaceRun], decode, tree: str | None = None
     rows, diffs = [], []
     for method, run in runs.items():
         same = run.token_ids == plain.token_ids
-        speedup = run.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+        rates, plain_rates = run.rates, plain.rates
+        speedup = rates.tokens_per_s / plain_rates.tokens_per_s if plain_rates.tokens_per_s else 0.0
         check = "✓ identical" if same else "✗ differs (see below)"
         rows.append(f'<tr data-method="{escape(method)}" data-identical="{str(same).lower()}">'
-                    f"<td>{escape(method_label(method, tree))}</td><td>{run.tokens_per_s:.1f}</td>"
-                    f"<td>{speedup:.2f}×</td><td>{run.mean_accepted_tokens:.2f}</td>"
+                    f"<td>{escape(method_label(method, tree))}</td><td>{rates.tokens_per_s:.1f}</td>"
+                    f"<td>{speedup:.2f}×</td><td>{rates.mean_accepted_tokens:.2f}</td>"
                     f"<td>{len(run.events)}</td><td>{run.elapsed_s:.2f}</td>"
                     f'<td class="{"tr-same" if same else "tr-differs"}">{check}</td></tr>')
         if not same:

