@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -138,6 +139,16 @@ class Engine:
         else:
             engine.fitted, engine.tree = _resolve_tree(self.model, config)
         engine.matrix = engine.fresh_matrix()
+        return engine
+
+    def with_matrix(self, matrix: AdjacencyMatrix) -> "Engine":
+        """Another engine on the same model and settings that drafts from (and teaches) ``matrix``: a user's own
+        matrix, or a copy of it for a measurement."""
+        if (matrix.vocab_size, matrix.k) != (self.vocab_size, self.config.top_k):
+            raise ValueError(f"a matrix of {matrix.vocab_size} x {matrix.k} does not fit this engine's "
+                             f"{self.vocab_size} x {self.config.top_k}")
+        engine = copy.copy(self)
+        engine.matrix = matrix
         return engine
 
     def drafter(self, method: str | None = None) -> Drafter:
