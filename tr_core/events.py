@@ -95,3 +95,14 @@ class StepEvent:
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["rows_updated"] = [RowUpdate(**r) for r in data.get("rows_updated", [])]
         return cls(**kwargs)
+
+
+def token_ids_named(events: list[StepEvent]) -> list[int]:
+    """Every token id a run's events name, sorted: tree tokens, predictions, new and bonus tokens, and the old and
+    new candidates of every rewritten matrix row (what a figure of any step may have to label)."""
+    ids: set[int] = set()
+    for e in events:
+        ids.update(e.tree_tokens, e.predicted, e.new_tokens, [e.bonus_token])
+        for row in e.rows_updated:
+            ids.update(row.old, row.new, [row.token])
+    return sorted(ids)
