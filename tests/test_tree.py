@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
+from tr_core.assets import TREES_DIR
 from tr_core.matrix import AdjacencyMatrix
-from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, build_tree, chain_tree, load_template
+from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, _builtin, build_tree, chain_tree, load_template
 
 
 def test_four_node_template_by_hand():
@@ -56,6 +57,20 @@ def test_builtin_templates_are_valid(name):
     t = load_template(name)
     assert t.size == len(set(t.node_paths))
     assert t.max_rank < 8
+    assert t.name == name
+
+
+def test_builtin_templates_are_the_shipped_files():
+    for name in BUILTIN_TEMPLATES:
+        data = json.loads((TREES_DIR / f"{name}.json").read_text())
+        assert set(data) == {"about", "branching"} and data["about"]
+        assert load_template(name).node_paths == build_tree(data["branching"]).node_paths
+    assert [load_template(n).size for n in BUILTIN_TEMPLATES] == [81, 34, 13, 7, 5]  # offered largest first
+
+
+def test_a_missing_builtin_file_is_a_clear_error(tmp_path):
+    with pytest.raises(TreeTemplateError, match="built-in tree template 'paper' is missing"):
+        _builtin("paper", tmp_path)
 
 
 def test_chain_tree():
@@ -92,6 +107,8 @@ def test_template_from_json_file(tmp_path):
     path.write_text(json.dumps({"name": "mine", "paths": [[0], [1], [0, 0]]}))
     t = load_template("mine", search_dirs=(tmp_path,))
     assert t.name == "mine" and t.parents.tolist() == [-1, 0, 0, 1]
+    (tmp_path / "wide.json").write_text(json.dumps({"about": "two guesses", "branching": {"": 2}}))
+    assert load_template("wide", search_dirs=(tmp_path,)).node_paths == ((), (0,), (1,))
     assert load_template(str(path)).size == 4
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(TreeTemplateError, match="cannot read"):

@@ -7,6 +7,9 @@ and so on. Templates are written compactly as a *branching map* ``{parent path: 
 
     {"": 2, "0": 1}   ->  paths (0,), (1,), (0, 0)
 
+The shipped templates are data, one file each: ``assets/trees/<name>.json`` holds ``{"about": ..., "branching":
+{...}}`` (``BUILTIN_TEMPLATES`` names them; ``load_template`` reads them, and any other file of that format).
+
 ``build_tree`` turns a template, once, into the tensors the decoder needs (nodes in BFS order, root = node 0):
 
     parents   (n,)      parent node index, -1 for the root
@@ -26,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .assets import TREES_DIR
+
 Path_ = tuple[int, ...]
 
 
@@ -33,36 +38,10 @@ class TreeTemplateError(ValueError):
     """A tree template that cannot be used, with the reason."""
 
 
-# The paper's static, imbalanced tree (80 nodes + root, depth 6; 8/21/25/15/8/3 nodes per depth). More children
-# go to likelier (lower-rank) branches, and the rank-0 chain is the deepest.
-_PAPER = {
-    "": 8,
-    "0": 8, "1": 4, "2": 3, "3": 2, "4": 1, "5": 1, "6": 1, "7": 1,
-    "00": 8, "01": 3, "02": 2, "03": 1, "04": 1, "05": 1, "06": 1, "07": 1,
-    "10": 2, "11": 1, "20": 1, "30": 1, "40": 1, "50": 1,
-    "000": 5, "001": 2, "002": 1, "003": 1, "004": 1, "010": 1, "020": 1, "100": 1, "200": 1, "300": 1,
-    "0000": 3, "0001": 1, "0002": 1, "0010": 1, "0100": 1, "1000": 1,
-    "00000": 2, "00010": 1,
-}
-
-# Smaller trees for machines where verifying 81 tokens costs much more than one decoding step.
-BUILTIN_TEMPLATES: dict[str, dict[str, int]] = {
-    "paper": _PAPER,
-    # 33 nodes + root: the paper tree's first levels, trimmed.
-    "medium": {
-        "": 6, "0": 4, "1": 3, "2": 2, "3": 1, "4": 1, "5": 1,
-        "00": 3, "01": 1, "02": 1, "10": 1, "20": 1,
-        "000": 2, "001": 1, "010": 1, "100": 1,
-        "0000": 1, "0001": 1,
-        "00000": 1,
-    },
-    # 12 nodes + root.
-    "small": {"": 3, "0": 3, "1": 1, "2": 1, "00": 2, "01": 1, "000": 1},
-    # 6 nodes + root: a chain of rank-0 guesses with a few alternatives.
-    "tiny": {"": 2, "0": 2, "00": 1, "000": 1},
-    # A pure chain of rank-0 guesses, depth 4.
-    "chain4": {"": 1, "0": 1, "00": 1, "000": 1},
-}
+# The templates shipped in assets/trees/<name>.json, in the order they are offered (largest first). Each file holds
+# {"about": "...", "branching": {...}}; the paper's 81-node tree first, then smaller ones for machines where
+# verifying 81 tokens costs much more than one decoding step.
+BUILTIN_TEMPLATES: tuple[str, ...] = ("paper", "medium", "small", "tiny", "chain4")
 
 
 def _parse_key(key: str) -> Path_:
@@ -183,10 +162,14 @@ def chain_tree(length: int) -> TreeBuffers:
 
 
 def load_template(spec: str | dict | list, search_dirs: tuple[Path, ...] = ()) -> TreeBuffers:
-    """A template by built-in name, by name of a ``<name>.json`` file in ``search_dirs``, by JSON file path,
-    or given directly as a branching map or list of index paths.
+    """A template by built-in name (``assets/trees/<name>.json``), by name of a ``<name>.json`` file in
+    ``search_dirs``, by JSON file path, or given directly as a branching map or list of index paths.
 
-    A JSON file holds ``{"branching": {...}}`` or ``{"paths": [[0], [1], [0, 0], ...]}``.
+    A JSON file holds ``{"branching": {...}}`` or ``{"paths": [[0], [1], [0, 0], ...]}``, and may say what the tree
+    is for in ``"about"`` and name it in ``"name"`` (the file's stem otherwise).
+
+    >>> load_template("tiny").node_paths
+    ((), (0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0))
     """
     if isinstance(spec, (dict, list)):
         return build_tree(spec if isinstance(spec, dict) else [tuple(p) for p in spec])
@@ -203,8 +186,11 @@ def load_template(spec: str | dict | list, search_dirs: tuple[Path, ...] = ()) -
 
 
 @lru_cache(maxsize=None)
-def _builtin(name: str) -> TreeBuffers:
-    return build_tree(BUILTIN_TEMPLATES[name], name=name)
+def _builtin(name: str, folder: Path = TREES_DIR) -> TreeBuffers:
+    path = folder / f"{name}.json"
+    if not path.is_file():
+        raise TreeTemplateError(f"the built-in tree template {name!r} is missing: no file {path}")
+    return _from_json(path)
 
 
 def _from_json(path: Path) -> TreeBuffers:
