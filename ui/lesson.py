@@ -19,13 +19,11 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
+from tr_core.assets import TRACES_DIR, acceptance_path
 from visualize import label, load_trace, mask_figure, matrix_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import passes_figure, retrieval_figure, row_figure, tree_size_figure
 from visualize.trace import TokenText
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TRACES = ASSETS / "traces"
-ACCEPTANCE = ASSETS / "acceptance"
 RUN_NAMES = {"hot": "hot start", "cold": "cold start"}
 
 
@@ -51,7 +49,7 @@ class Lesson:
         return self.hot.events[self.featured]
 
 
-def load_run(name: str, folder: Path = TRACES) -> Trace:
+def load_run(name: str, folder: Path = TRACES_DIR) -> Trace:
     events = load_trace(folder / f"{name}.json")
     meta = json.loads((folder / f"{name}.meta.json").read_text(encoding="utf-8"))
     known = {int(k): v for k, v in meta.get("token_text", {}).items()}
@@ -69,9 +67,9 @@ def featured_step(events: list) -> int:
 
 
 @lru_cache(maxsize=4)
-def load_lesson(folder: Path = TRACES) -> Lesson:
+def load_lesson(folder: Path = TRACES_DIR) -> Lesson:
     hot, cold = load_run("hot", folder), load_run("cold", folder)
-    acceptance = json.loads((ACCEPTANCE / f"{hot.meta['model']}.json").read_text())
+    acceptance = json.loads(acceptance_path(hot.meta["model"]).read_text())
     return Lesson(hot, cold, acceptance, featured_step(hot.events))
 
 
