@@ -1,7 +1,14 @@
+import pytest
 import torch
 
 from conftest import tiny_model
-from tr_core.kernels import OutputHead, mode_dtype
+from tr_core import kernels
+from tr_core.kernels import OutputHead, fp16_weights_available, mode_dtype
+
+# where this torch build has no fbgemm (not x86 or without AVX2), the fast mode falls back to bf16 and has no
+# fp16-weight linear to test
+needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
+                                  reason="this torch build has no fbgemm fp16-weight linear")
 
 
 def test_output_head_equals_the_models_own_output_layer():
@@ -13,17 +20,19 @@ def test_output_head_equals_the_models_own_output_layer():
             torch.testing.assert_close(head(hidden), model.get_output_embeddings()(hidden), rtol=1e-5, atol=1e-5)
 
 
-def test_modes():
-    from tr_core.kernels import fp16_weights_available
-    assert mode_dtype("exact")[0] == torch.float32
-    assert fp16_weights_available(), "this project's machines (x86, AVX2) have fbgemm's fp16-weight linear"
-    assert mode_dtype("fast") == (torch.float32, "fast: fp16 weights, fp32 arithmetic")
-    try:
+@pytest.mark.parametrize("fbgemm, native_bf16, fast", [
+    (True, False, (torch.float32, "fast: fp16 weights, fp32 arithmetic")),
+    (True, True, (torch.float32, "fast: fp16 weights, fp32 arithmetic")),
+    (False, True, (torch.bfloat16, "fast: bf16 (native)")),
+    (False, False, (torch.bfloat16, "fast: bf16 (emulated: no AVX-512 BF16/AMX on this CPU)"))])
+def test_modes(monkeypatch, fbgemm, native_bf16, fast):
+    """What each mode means, as a function of what the machine has (stubbed: every branch runs everywhere)."""
+    monkeypatch.setattr(kernels, "fp16_weights_available", lambda: fbgemm)
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native_bf16)
+    assert mode_dtype("exact") == (torch.float32, "exact: fp32")
+    assert mode_dtype("fast") == fast
+    with pytest.raises(ValueError, match="exact, fast"):
         mode_dtype("turbo")
-    except ValueError as e:
-        assert "exact, fast" in str(e)
-    else:
-        raise AssertionError("unknown mode accepted")
 
 
 def test_row_fitted_linear_equals_f_linear_for_every_row_count():
@@ -78,6 +87,7 @@ def test_a_compiled_body_is_what_decoding_runs_and_the_output_stays_greedy():
     assert counters["stats"]["unique_graphs"] > 0  # decoding went through dynamo, i.e. through the compiled body
 
 
+@needs_fbgemm
 def test_fp16_weight_linear_rounds_only_the_weights():
     from tr_core.kernels import Fp16WeightLinear
     torch.manual_seed(0)
@@ -99,6 +109,7 @@ def test_fp16_weight_linear_rounds_only_the_weights():
         torch.testing.assert_close(packed(x), torch.cat([packed(x[i:i + 1]) for i in range(8)]), rtol=1e-5, atol=1e-5)
 
 
+@needs_fbgemm
 def test_fast_mode_packs_the_body_and_the_head_and_stays_greedy():
     from conftest import reference_greedy
     from tr_core.decoding import run

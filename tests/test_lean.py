@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from tr_core.decoding import _tree_mask
-from tr_core.kernels import body
+from tr_core.kernels import body, fp16_weights_available
 from tr_core.kv import new_cache
 from tr_core.lean import LeanLlama, supports
 from tr_core.tree import build_tree, load_template
@@ -50,10 +50,9 @@ def test_decoding_runs_the_lean_forward_only_where_it_applies():
     assert not supports(gpt2) and body(gpt2) is gpt2.base_model
 
 
+@pytest.mark.skipif(not fp16_weights_available(), reason="this torch build has no fbgemm fp16-weight linear")
 def test_lean_forward_follows_linears_swapped_after_it_was_made():
-    from tr_core.kernels import Fp16WeightLinear, fp16_weights_available, pack_fp16_weights
-    if not fp16_weights_available():
-        pytest.skip("this torch build has no fbgemm fp16-weight linear")
+    from tr_core.kernels import Fp16WeightLinear, pack_fp16_weights
     model = tiny_model("llama", dtype=torch.float32)
     lean = body(model)
     pack_fp16_weights(model)
