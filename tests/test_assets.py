@@ -5,16 +5,28 @@ import json
 from safetensors import safe_open
 
 from conftest import ROOT
+from tr_core.assets import ASSETS_DIR, acceptance_path, hot_start_files, hot_start_path
 from tr_core.build_assets import generic_prompts
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.spec_bench import load_questions
 from tr_core.tree import load_template
 
-ASSETS = ROOT / "assets"
+
+def test_the_assets_folder_is_the_repositorys():
+    assert ASSETS_DIR == ROOT / "assets" and ASSETS_DIR.is_dir()
+
+
+def test_hot_start_files_put_the_asked_k_first(tmp_path):
+    for name in ("m-k4", "m-k8", "m-k16", "other-k8"):
+        (tmp_path / f"{name}.safetensors").touch()
+    assert [p.name for p in hot_start_files("m", 8, tmp_path)] == [
+        "m-k8.safetensors", "m-k16.safetensors", "m-k4.safetensors"]
+    assert [p.name for p in hot_start_files("m", 2, tmp_path)] == ["m-k16.safetensors", "m-k4.safetensors", "m-k8.safetensors"]
+    assert hot_start_files("m", 8, tmp_path / "missing") == []
 
 
 def test_hot_start_matrix_is_small_and_loads():
-    path = ASSETS / "hot_start" / "smollm2-135m-instruct-k8.safetensors"
+    path = hot_start_path("smollm2-135m-instruct", 8)
     assert path.stat().st_size < 2 * 1024 * 1024
     m = AdjacencyMatrix.load(path, vocab_size=49_152, k=8)
     assert int((m.rows != 0).any(dim=1).sum()) > 1000  # thousands of rows learned
@@ -23,7 +35,7 @@ def test_hot_start_matrix_is_small_and_loads():
 
 
 def test_acceptance_statistics_are_consistent_with_the_paper_tree():
-    stats = json.loads((ASSETS / "acceptance" / "smollm2-135m-instruct.json").read_text())
+    stats = json.loads(acceptance_path("smollm2-135m-instruct").read_text())
     paper = load_template("paper")
     assert [tuple(p) for p in stats["node_paths"]] == list(paper.node_paths)
     acc = stats["acceptance"]

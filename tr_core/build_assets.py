@@ -8,6 +8,9 @@ question):
   with the matrix seeded from each prompt's prefill as the fitted tree does.
 
     python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8]
+                                   [--hot-start-dir assets/hot_start] [--acceptance-dir assets/acceptance]
+
+The files are named by ``tr_core.assets`` (``hot_start_path``, ``acceptance_path``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .assets import ACCEPTANCE_DIR, GENERIC_PROMPTS, HOT_START_DIR, acceptance_path, hot_start_path
 from .calibrate import model_slug, node_acceptance
-from .engine import ASSETS_DIR, Engine, EngineConfig
-
-PROMPTS = ASSETS_DIR / "prompts" / "generic.txt"
+from .engine import Engine, EngineConfig
 
 
-def generic_prompts(path: Path = PROMPTS) -> list[str]:
+def generic_prompts(path: Path = GENERIC_PROMPTS) -> list[str]:
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     return [line.replace("\\n", "\n") for line in lines if line and not line.startswith("#")]
 
@@ -35,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--out", default=str(ASSETS_DIR))
-    p.add_argument("--prompts", default=str(PROMPTS), help="one prompt per line ('#' lines are comments)")
+    p.add_argument("--hot-start-dir", default=str(HOT_START_DIR), help="where the hot-start matrix goes")
+    p.add_argument("--acceptance-dir", default=str(ACCEPTANCE_DIR), help="where the acceptance statistics go")
+    p.add_argument("--prompts", default=str(GENERIC_PROMPTS), help="one prompt per line ('#' lines are comments)")
     args = p.parse_args(argv)
 
     engine = Engine.load(args.model, EngineConfig(method="tr", tree="paper", top_k=args.top_k, seed_from_prompt=True))
@@ -55,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     acceptance = node_acceptance(counted, engine.tree)
 
     slug = model_slug(engine.model)
-    out = Path(args.out)
-    (out / "hot_start").mkdir(parents=True, exist_ok=True)
-    (out / "acceptance").mkdir(parents=True, exist_ok=True)
-    matrix_path = out / "hot_start" / f"{slug}-k{args.top_k}.safetensors"
+    matrix_path = hot_start_path(slug, args.top_k, Path(args.hot_start_dir))
+    stats_path = acceptance_path(slug, Path(args.acceptance_dir))
+    matrix_path.parent.mkdir(parents=True, exist_ok=True)
+    stats_path.parent.mkdir(parents=True, exist_ok=True)
     engine.matrix.save(matrix_path, {"model": slug, "built_by": "python -m tr_core.build_assets",
                                      "prompts": str(len(prompts)), "max_new_tokens": str(args.max_new_tokens)})
     stats = {
@@ -72,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "seed_from_prompt": True,
     }
-    (out / "acceptance" / f"{slug}.json").write_text(json.dumps(stats, indent=1))
+    stats_path.write_text(json.dumps(stats, indent=1))
     rows_used = int((engine.matrix.rows != 0).any(dim=1).sum())
     print(f"hot-start matrix: {matrix_path} ({engine.matrix.nbytes / 2**20:.2f} MB, {rows_used} rows filled)")
-    print(f"acceptance of the paper tree over {steps} steps: mean accepted tokens {tokens / steps:.2f} "
-          f"({time.perf_counter() - started:.0f} s)")
+    print(f"acceptance of the paper tree over {steps} steps: mean accepted tokens {tokens / steps:.2f} -> "
+          f"{stats_path} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

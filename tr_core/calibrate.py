@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from .assets import ACCEPTANCE_DIR, acceptance_path
 from .decoding import _max_positions, _tree_mask
 from .kernels import OutputHead, RowFittedLinear, body, grouped_query_attention_in_sdpa, has_fp16_weights, is_compiled
 from .kv import new_cache
@@ -231,16 +232,13 @@ def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, floa
     return FittedTree(build_tree(chosen, name=name), expected, speedup, table)
 
 
-ACCEPTANCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "acceptance"
-
-
 def model_slug(model: PreTrainedModel) -> str:
     """The name assets are filed under: the model folder's or hub id's last part, lower-cased."""
     return Path(str(getattr(model.config, "_name_or_path", "model"))).name.lower() or "model"
 
 
 def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> bool:
-    return (acceptance_dir / f"{model_slug(model)}.json").is_file()
+    return acceptance_path(model_slug(model), acceptance_dir).is_file()
 
 
 def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None,
@@ -248,7 +246,7 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     """The tree fitted to this model on this machine: shipped acceptance statistics + t(N) calibrated over a
     ``context``-token cache (or averaged over several contexts, ``context_curve``). With ``size``, the ``size``
     likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
-    path = acceptance_dir / f"{model_slug(model)}.json"
+    path = acceptance_path(model_slug(model), acceptance_dir)
     if not path.is_file():
         raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
                          "`python -m tr_core.build_assets --model ...`, or choose a named tree")

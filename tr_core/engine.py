@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .assets import ASSETS_DIR, TREES_DIR, hot_start_path  # noqa: F401 (ASSETS_DIR: ui/session.py reads it here)
 from .decoding import DecodeResult, Drafter, _max_positions, decode, run
 from .drafters import PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .events import StepEvent
@@ -25,8 +25,7 @@ from .calibrate import DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, has_acceptanc
 from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-TREE_DIRS = (ASSETS_DIR / "trees",)
+TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
 METHODS = ("plain", "pld", "tr")
 AUTO = "auto"
 FALLBACK_TREE = "small"
@@ -118,7 +117,7 @@ class Engine:
 
     def shipped_matrix_path(self) -> str | None:
         """The hot-start matrix shipped for this model and k (``python -m tr_core.build_assets``), if there is one."""
-        path = ASSETS_DIR / "hot_start" / f"{model_slug(self.model)}-k{self.config.top_k}.safetensors"
+        path = hot_start_path(model_slug(self.model), self.config.top_k)
         return str(path) if path.is_file() else None
 
     def with_config(self, **changes) -> "Engine":

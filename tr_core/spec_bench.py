@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parent.parent / "assets" / "spec_bench" / "question.jsonl"
+from .assets import SPEC_BENCH_QUESTIONS
+
 # Spec-Bench reports the eight MT-bench sub-categories together as one "multi-turn conversation" category.
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -25,7 +26,7 @@ class Question:
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
-    path = Path(path) if path else DEFAULT_QUESTIONS
+    path = Path(path) if path else SPEC_BENCH_QUESTIONS
     questions = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
