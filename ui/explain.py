@@ -11,7 +11,7 @@ from html import escape
 
 from visualize import label, visible
 from visualize.lesson_fig import is_empty
-from visualize.trace import TokenText
+from visualize.trace import TokenNamer
 
 from .lesson import RUN_NAMES, STEPS, Lesson, Trace, load_lesson, step_figure, step_text
 
@@ -68,7 +68,7 @@ def resolve_token(trace: Trace, query) -> int | None:
     return None
 
 
-def _row_cells(row: list[int], previous: list[int] | None, text: TokenText) -> str:
+def _row_cells(row: list[int], previous: list[int] | None, text: TokenNamer) -> str:
     if is_empty(row):
         return f'<td colspan="{len(row)}" class="tr-empty">empty (never written)</td>'
     cells = []
@@ -109,13 +109,13 @@ def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
 
 # --- the tab ---------------------------------------------------------------------------------------------------------
 
-INTRO = """\
+EXPLAIN_INTRO = """\
 Token Recycling in {n} steps, each drawn from a **real run recorded with {model}** (prompt: *{prompt}*, tree
 `{tree}`, k = {k}), replayed here without loading any model. The prompt and settings above belong to the other
 tabs. Use **Next** and **Previous**; hover over a figure for details. In token texts, `␣` marks a space and `↵` a
 line break."""
 
-CSS = """
+EXPLAIN_CSS = """
 .tr-steps { display: flex; align-items: center; gap: 6px; flex-wrap: wrap; font-size: 15px; }
 .tr-pill { display: inline-block; min-width: 24px; height: 24px; border-radius: 12px; text-align: center;
            line-height: 24px; font-size: 13px; background: var(--neutral-200, #e5e7eb); color: #333; }
@@ -141,9 +141,9 @@ def build_tab(lesson: Lesson | None = None) -> None:
                         "`python -m tr_core.record_trace`.")
             return
         meta = lesson.hot.meta
-        gr.HTML(f"<style>{CSS}</style>", padding=False)
-        gr.Markdown(INTRO.format(n=len(STEPS), model=meta["model"], prompt=meta["prompt"], tree=meta["tree"],
-                                 k=meta["top_k"]), elem_id="explain-intro")
+        gr.HTML(f"<style>{EXPLAIN_CSS}</style>", padding=False)
+        gr.Markdown(EXPLAIN_INTRO.format(n=len(STEPS), model=meta["model"], prompt=meta["prompt"],
+                                         tree=meta["tree"], k=meta["top_k"]), elem_id="explain-intro")
         index = gr.State(0)
         with gr.Row(equal_height=True):
             back = gr.Button("← Previous", size="sm", scale=0, min_width=120, interactive=False,

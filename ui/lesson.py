@@ -21,8 +21,8 @@ import plotly.graph_objects as go
 
 from tr_core.assets import TRACES_DIR, acceptance_path
 from visualize import label, load_trace, mask_figure, matrix_figure, text_lookup, tree_figure, visible
-from visualize.lesson_fig import passes_figure, retrieval_figure, row_figure, tree_size_figure
-from visualize.trace import TokenText
+from visualize.lesson_fig import passes_figure, retrieval_figure, row_figure, tree_size_table_figure
+from visualize.trace import TokenNamer
 
 RUN_NAMES = {"hot": "hot start", "cold": "cold start"}
 
@@ -33,7 +33,7 @@ class Trace:
 
     events: list
     meta: dict
-    text: TokenText
+    text: TokenNamer
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _tree_sizes(lesson: Lesson) -> go.Figure:
     meta = lesson.hot.meta
     sizes = [row["nodes"] for row in meta["tree_sizes"]]
     marks = {f"'{meta['tree']}' ({meta['tree_nodes']})": meta["tree_nodes"], f"paper ({max(sizes)})": max(sizes)}
-    return tree_size_figure(meta["tree_sizes"], marks)
+    return tree_size_table_figure(meta["tree_sizes"], marks)
 
 
 STEPS: list[Step] = [

@@ -3,7 +3,7 @@
     row_figure(event, text)                  the adjacency-matrix row of the step's last token, before the step
     retrieval_figure(event)                  the draft tree grown layer by layer (a slider over depths)
     passes_figure({"hot": events, ...})      tokens produced against forward passes, and per-step token counts
-    tree_size_figure(table)                  tree size against expected tokens per pass and the cost of a pass
+    tree_size_table_figure(table)            tree size against expected tokens per pass and the cost of a pass
 
 A row that was never written is all zeros (an empty row); ``row_before`` returns it as it was.
 """
@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 
 from .charts import accepted_lengths
 from .palette import BLACK, BLUE, GREY, LIGHT_GREY, VERMILLION, discrete_colorscale
-from .trace import TokenText, label, quoted
+from .trace import TokenNamer, label, quoted
 from .tree_fig import LABEL_W, _elbow, _layout
 from .tree_layout import tree_layout
 
@@ -48,7 +48,7 @@ def children_ranks(event: StepEvent, node: int) -> list[int]:
     return [event.tree_ranks[i] for i, p in enumerate(event.tree_parents) if p == node]
 
 
-def row_figure(event: StepEvent, text: TokenText) -> go.Figure:
+def row_figure(event: StepEvent, text: TokenNamer) -> go.Figure:
     """One heatmap row: the last token's ``k`` candidates before the step (``customdata``: ids, ``z``: whether a
     depth-1 draft was taken from that rank)."""
     root = event.tree_tokens[0]
@@ -167,7 +167,7 @@ def passes_figure(runs: Mapping[str, Sequence[StepEvent]], names: Mapping[str, s
     return fig
 
 
-def tree_size_figure(table: Sequence[dict], marks: Mapping[str, int] | None = None) -> go.Figure:
+def tree_size_table_figure(table: Sequence[dict], marks: Mapping[str, int] | None = None) -> go.Figure:
     """Per tree size N (``table`` rows: nodes, expected_accepted, step_ms, predicted_speedup): the expected tokens
     per forward pass, the cost of that pass relative to a one-token pass, and their ratio, the predicted speedup.
     Traces 0, 1, 2 in that order; ``marks`` draws a labelled vertical line at named sizes."""

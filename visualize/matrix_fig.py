@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .palette import CELL_ROLES, discrete_colorscale
-from .trace import TokenText, label, quoted, text_lookup
+from .trace import TokenNamer, label, quoted, text_lookup
 
 if TYPE_CHECKING:
     from tr_core.events import RowUpdate, StepEvent
@@ -63,7 +63,7 @@ def cell_codes(row: RowUpdate, on_path: set[tuple[int, int]], side: str) -> list
     return codes
 
 
-def _heatmap(rows: list[RowUpdate], on_path: set, side: str, text: TokenText) -> go.Heatmap:
+def _heatmap(rows: list[RowUpdate], on_path: set, side: str, text: TokenNamer) -> go.Heatmap:
     ids = [r.old if side == "before" else r.new for r in rows]
     verb = {KEPT: "kept", REPLACED: "replaced by this step" if side == "before" else "written by this step",
             ACCEPTED: "on the accepted path"}
@@ -78,7 +78,7 @@ def _heatmap(rows: list[RowUpdate], on_path: set, side: str, text: TokenText) ->
         zmin=0, zmax=len(CELL_ROLES) - 1, showscale=False, xgap=2, ygap=2, name=side)
 
 
-def matrix_figure(event: StepEvent, token_text: TokenText | None = None, max_rows: int = 12) -> go.Figure:
+def matrix_figure(event: StepEvent, token_text: TokenNamer | None = None, max_rows: int = 12) -> go.Figure:
     """Before/after heatmaps of the rows this step updated. Trace 0 is before (``z``: codes, ``customdata``:
     token ids, ``(rows, k)``), trace 1 after; traces 2.. are legend entries only."""
     text = text_lookup([event], token_text)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 from tr_core.events import StepEvent  # plain dataclasses: no torch
 
-TokenText = Callable[[int], str]
+TokenNamer = Callable[[int], str]  # a token id's text: a tokenizer's decode, or text_lookup(events)
 
 # Whitespace a reader could not see in a label, and the sign drawn for it. (A carriage return gets '⇤', not '␍',
 # which common fonts such as DejaVu lack.)
@@ -53,7 +53,7 @@ def token_text_map(events: Iterable[StepEvent]) -> dict[int, str]:
     return known
 
 
-def text_lookup(events: Iterable[StepEvent], token_text: TokenText | None = None) -> TokenText:
+def text_lookup(events: Iterable[StepEvent], token_text: TokenNamer | None = None) -> TokenNamer:
     """An ``id -> text`` function: the caller's ``token_text`` if given, else the trace's own, ``"#<id>"`` when
     unknown. Lookups are cached, since a figure names the same tokens many times."""
     if token_text is not None:

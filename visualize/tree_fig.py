@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import plotly.graph_objects as go
 
 from .palette import BLUE, GREY, NODE_ROLES, ORANGE
-from .trace import TokenText, label, quoted, text_lookup
+from .trace import TokenNamer, label, quoted, text_lookup
 from .tree_layout import BONUS_Y, ROLES, TreeLayout, node_roles, tree_layout
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def step_shapes(event: StepEvent) -> list[dict]:
     return [_shape(_edges(pos, zip(path, path[1:])), BLUE, 3), _shape([bonus_link], ORANGE, 2, "dash")]
 
 
-def _node_hover(event: StepEvent, i: int, depth: int, text: TokenText) -> str:
+def _node_hover(event: StepEvent, i: int, depth: int, text: TokenNamer) -> str:
     token = event.tree_tokens[i]
     lines = [f"<b>{quoted(event.tree_text[i])}</b>  (id {token}, node {i}, depth {depth})"]
     if i == 0:
@@ -98,7 +98,7 @@ def _node_hover(event: StepEvent, i: int, depth: int, text: TokenText) -> str:
     return "<br>".join(lines)
 
 
-def step_traces(event: StepEvent, text: TokenText) -> list[dict]:
+def step_traces(event: StepEvent, text: TokenNamer) -> list[dict]:
     """The node markers of one step: one scatter trace per role in ``ROLES`` (rejected, broke, accepted, root,
     bonus), always those five in that order so that animation frames can swap their data. Each point's ``ids``
     entry is its node index (the bonus: ``"bonus after <node>"``), so that a frame matches points by node and a
@@ -137,7 +137,7 @@ def legend_keys() -> list[dict]:
             for order, (role, (name, colour, symbol, size)) in enumerate(NODE_ROLES.items())]
 
 
-def step_title(event: StepEvent, text: TokenText) -> str:
+def step_title(event: StepEvent, text: TokenNamer) -> str:
     """``"step 12 (tr, tree small): 3 draft tokens accepted + bonus '.' → '␣marvel␣of␣engineering.'"``"""
     n = event.accepted_draft_tokens
     return (f"step {event.step} ({event.method}, tree {escape(event.tree_name)}): {n} draft token{'s' * (n != 1)} "
@@ -164,7 +164,7 @@ def _layout(layouts: list[TreeLayout]) -> dict:
     )
 
 
-def tree_figure(event: StepEvent, token_text: TokenText | None = None) -> go.Figure:
+def tree_figure(event: StepEvent, token_text: TokenNamer | None = None) -> go.Figure:
     """The draft tree of one step. ``token_text`` names ids the event does not (predictions, the bonus): a
     tokenizer's decode, or ``text_lookup(all_events)`` to use everything a trace decoded."""
     text = text_lookup([event], token_text)
@@ -199,7 +199,7 @@ def _frame_data(traces: list[dict]) -> list[dict]:
     return [{k: t[k] for k in ("x", "y", "text", "hovertext", "ids")} for t in traces]
 
 
-def tree_animation(events: Sequence[StepEvent], token_text: TokenText | None = None) -> go.Figure:
+def tree_animation(events: Sequence[StepEvent], token_text: TokenNamer | None = None) -> go.Figure:
     """A whole run as one figure: one frame per step (named by its step number), a play button and a slider.
     ``token_text`` as for ``tree_figure``; by default the whole trace names the tokens.
 
