@@ -1,7 +1,11 @@
-"""The benchmark command end to end on a tiny model and a small question file."""
+"""The benchmark command end to end on a tiny model and a small question file, then its charts (benchmark.py)."""
 
 import json
 
+import pytest
+
+import benchmark
+from tr_core import bench
 from tr_core.bench import main, question_contexts
 
 
@@ -25,7 +29,7 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert results["methods"]["plain"]["mean_accepted_tokens"] == 1.0
     assert results["config"]["hot_start_carried_across_questions"] is True
     assert "## overall" in printed and "| tr-paper |" in printed
-    assert (out / "report.md").is_file() and (out / "speedup.html").is_file() and (out / "tree_size.html").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]  # tr_core draws nothing
     assert results["methods"]["tr-paper"]["tree_nodes"] == 81 and results["config"]["compiled"] is False
     # where the time went: steps per token, and the time each question spent outside its steps (its prefill)
     for m in results["methods"].values():
@@ -34,6 +38,41 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     # the auto tree was fitted on t(N) averaged over the questions' contexts (each prompt plus half the answer)
     assert results["config"]["fit_context"].startswith("4 contexts of ")
     assert "t(N) ms over 4 contexts of" in printed
+    # the charts come from results.json, drawn by visualize through benchmark.py
+    assert benchmark.main(["--charts-only", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json", "speedup.html", "tree_size.html"]
+    speedup, tree_size = (out / "speedup.html").read_text(), (out / "tree_size.html").read_text()
+    assert '"tr-paper"' in speedup and "tr-cold" in speedup
+    assert "tr-paper (measured)" in tree_size and "plotly" in tree_size
+
+
+def test_benchmark_py_runs_the_benchmark_with_the_same_options_then_draws(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_bench(argv):
+        calls.append(argv)
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "results.json").write_text(json.dumps({"config": {"fitted_tree": None}, "methods": {
+            "plain": {"tokens_per_s": 10.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "identical": 2,
+                      "questions": 2, "by_category": {}}}}))
+        return 0
+
+    monkeypatch.setattr(bench, "main", fake_bench)
+    argv = ["--per-category", "1", "--methods", "pld", "--out", str(tmp_path / "out")]
+    assert benchmark.main(argv) == 0
+    assert calls == [argv]
+    assert (tmp_path / "out" / "speedup.html").is_file() and (tmp_path / "out" / "tree_size.html").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--charts-only", "--mode", "fast"], "takes --out only"),
+    (["--charts-only", "--out", "no-such-folder"], "run the benchmark first"),
+])
+def test_charts_only_measures_nothing(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.main(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_each_question_decodes_over_its_prompt_and_half_its_answer():

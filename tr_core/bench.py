@@ -4,6 +4,10 @@
                             [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--compile]
                             [--out bench_out]
 
+It writes ``results.json`` and ``report.md`` to ``--out``. The charts are drawn from ``results.json`` by
+``visualize``, which this package does not import: ``python benchmark.py`` (beside ``app.py``) takes the same
+options, runs this benchmark, then draws ``speedup.html`` and ``tree_size.html``.
+
 Methods: ``plain`` (greedy, one token per forward), ``pld`` (Prompt Lookup), ``tr`` (Token Recycling with the tree
 fitted to this machine, matrix seeded from each prompt), ``tr-paper`` (the paper's 81-node tree), and ``tr-cold``
 (the fitted tree from an empty matrix on every question). Token Recycling starts from the shipped hot-start matrix
@@ -155,8 +159,9 @@ def histogram(records: list[Record]) -> str:
     return "  ".join(f"{n}:{100 * counts[n] / total:.0f}%" for n in sorted(counts))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tr_core.bench", description=__doc__.splitlines()[0])
+def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
+    """The benchmark's options (``benchmark.py`` adds its own to them)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--questions", default=None, help="JSON-lines questions (default: the Spec-Bench copy in assets/)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -170,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit-context", type=int, default=None,
                    help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
                         "over the questions' contexts, each its prompt plus half the new tokens)")
-    p.add_argument("--out", default="bench_out")
+    p.add_argument("--out", default="bench_out", help="the folder results.json and report.md go to")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "plain" not in methods:
@@ -307,14 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(report)
     (out / "report.md").write_text(text + "\n")
     print(text)
-    try:
-        from visualize.charts import speedup_figure, tree_size_figure  # drawn by the figures package, if installed
-
-        speedup_figure(results).write_html(out / "speedup.html", include_plotlyjs=True)
-        tree_size_figure(results).write_html(out / "tree_size.html", include_plotlyjs=True)
-        print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}, {out / 'speedup.html'}, {out / 'tree_size.html'}")
-    except ImportError:
-        print(f"\nwrote {out / 'results.json'}, {out / 'report.md'} (no chart: visualize not importable)")
+    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}")
     return 0
 
 
