@@ -1,7 +1,11 @@
-"""Record the traces that the app's "How it works" tab replays: one prompt decoded by Token Recycling twice with the
-embedded model, once from the shipped hot-start matrix and once from an empty (cold) matrix.
+"""Record traces with the embedded model: the one recorder of the runs the project ships and tests read.
 
-    python -m tr_core.record_trace            # writes assets/traces/{hot,cold}.json and {hot,cold}.meta.json
+    python -m tr_core.record_trace              # assets/traces/{hot,cold}.json and {hot,cold}.meta.json
+    python -m tr_core.record_trace --fixtures   # tests/fixtures/trace_paper.json and trace_small.json
+
+The shipped traces are what the app's "How it works" tab replays: one prompt decoded by Token Recycling twice, once
+from the shipped hot-start matrix and once from an empty (cold) matrix. The test fixtures are two runs the figure
+tests draw: the paper tree on a matrix warmed by one answer, and the small tree from an empty matrix.
 
 ``<name>.json`` is a plain trace (a JSON list of ``StepEvent.to_dict()``, read by ``visualize.load_trace`` without
 torch). ``<name>.meta.json`` says what a reader needs to know about it::
@@ -15,6 +19,7 @@ torch). ``<name>.meta.json`` says what a reader needs to know about it::
 
 ``tree_sizes`` is the table the fitted ("auto") tree is chosen from: the paper tree's nodes taken likeliest first
 (shipped acceptance statistics) against the measured t(N). Re-run this command after the engine changes.
+The fixtures are plain traces, without a meta file.
 """
 
 from __future__ import annotations
@@ -24,23 +29,36 @@ import json
 import time
 from pathlib import Path
 
+from .assets import ASSETS_DIR, TRACES_DIR
 from .calibrate import auto_tree, context_curve, machine_key, model_slug
-from .engine import ASSETS_DIR, Engine, EngineConfig
-from .events import StepEvent
+from .engine import Engine, EngineConfig
+from .events import StepEvent, token_ids_named
 
-TRACES_DIR = ASSETS_DIR / "traces"
+token_ids = token_ids_named  # every id a trace names (the name tests/test_explain.py reads)
+
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
+FIXTURES_DIR = ASSETS_DIR.parent / "tests" / "fixtures"
+FIXTURE_PROMPT = "Explain how a bicycle works."
 
 
-def token_ids(events: list[StepEvent]) -> list[int]:
-    """Every id a trace names: tree tokens, predictions, bonus tokens and the candidates of every rewritten row."""
-    ids: set[int] = set()
-    for e in events:
-        ids.update(e.tree_tokens, e.predicted, e.new_tokens, [e.bonus_token])
-        for row in e.rows_updated:
-            ids.update(row.old, row.new, [row.token])
-    return sorted(ids)
+def write_trace(path: Path, events: list[StepEvent]) -> None:
+    """A plain trace: a JSON list of ``StepEvent.to_dict()``, what ``visualize.load_trace`` reads."""
+    path.write_text(json.dumps([e.to_dict() for e in events], separators=(",", ":")))
+
+
+def record_fixtures(engine: Engine, out: Path) -> None:
+    """``trace_paper.json``: the paper tree, k = 8, on a matrix warmed by one answer to ``FIXTURE_PROMPT`` (from
+    cold), answering a variant of it; ``trace_small.json``: the small tree from an empty matrix on
+    ``FIXTURE_PROMPT``."""
+    paper = engine.with_config(tree="paper", top_k=8, matrix_path=None)
+    paper.generate(FIXTURE_PROMPT, 96)  # the matrix learns from this answer: the recorded run is a hot start
+    runs = {"trace_paper": paper.generate("Explain how a bicycle works in simple words.", 48),
+            "trace_small": engine.with_config(tree="small", top_k=8, matrix_path=None).generate(FIXTURE_PROMPT, 32)}
+    for name, result in runs.items():
+        write_trace(out / f"{name}.json", list(result.events))
+        print(f"{name}: {result.steps} steps, {len(result.token_ids)} tokens, "
+              f"mean accepted tokens {len(result.token_ids) / result.steps:.2f} -> {out / name}.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,19 +67,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", default="small", help="a template whose pictures read well (default: small)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--out", default=str(TRACES_DIR))
+    p.add_argument("--fixtures", action="store_true",
+                   help="record the test fixtures (tests/fixtures/trace_{paper,small}.json) instead")
+    p.add_argument("--out", default=None, help=f"the folder (default: {TRACES_DIR}, or with --fixtures "
+                                               f"{FIXTURES_DIR})")
     args = p.parse_args(argv)
+    lesson_options = ("prompt", "tree", "top_k", "max_new_tokens")
+    if args.fixtures and any(getattr(args, k) != p.get_default(k) for k in lesson_options):
+        p.error("--fixtures records fixed runs: --prompt, --tree, --top-k and --max-new-tokens are for the "
+                "shipped traces")
+    out = Path(args.out or (FIXTURES_DIR if args.fixtures else TRACES_DIR))
+    out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
     engine = Engine.load(None, EngineConfig(method="tr", tree=args.tree, top_k=args.top_k))
+    if args.fixtures:
+        record_fixtures(engine, out)
+        print(f"done in {time.perf_counter() - started:.0f} s")
+        return 0
     shipped = engine.shipped_matrix_path()
     if shipped is None:
         p.error(f"no shipped hot-start matrix for k={args.top_k}: run python -m tr_core.build_assets first")
     curve = context_curve(engine.model, engine.config.fit_context)  # cached per machine and context
     sizes = auto_tree(engine.model, context=engine.config.fit_context).table
     slug = model_slug(engine.model)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for name, matrix in (("hot", shipped), ("cold", None)):
         run = engine.with_config(matrix_path=matrix)
         result = run.generate(args.prompt, args.max_new_tokens)
@@ -86,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             "mean_accepted_tokens": round(len(result.token_ids) / result.steps, 4),
             "text": decode(result.token_ids),
             "recorded_by": "python -m tr_core.record_trace",
-            "token_text": {str(t): decode([t]) for t in token_ids(events)},
+            "token_text": {str(t): decode([t]) for t in token_ids_named(events)},
             "calibration": {"machine": machine_key(engine.model), "t_ms": {str(n): round(ms, 2)
                                                                             for n, ms in curve.items()}},
             "tree_sizes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in sizes],
         }
-        (out / f"{name}.json").write_text(json.dumps([e.to_dict() for e in events], separators=(",", ":")))
+        write_trace(out / f"{name}.json", events)
         (out / f"{name}.meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         print(f"{name}: {result.steps} steps, {len(result.token_ids)} tokens, "
               f"mean accepted tokens {meta['mean_accepted_tokens']:.2f} -> {out / name}.json")
