@@ -14,24 +14,27 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import contextmanager
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
-from tr_core.kernels import MODES, mode_dtype  # noqa: E402
+from tr_core.events import Rates  # noqa: E402
+from tr_core.kernels import MODES  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
-from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
-from tr_core.events import Rates  # noqa: E402
-from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
-                       history_html, lanes_html, method_label, race_table_html)
 from ui.errors import user_errors  # noqa: E402
-from ui.inputs import (MAX_NEW_TOKENS, TOP_K, InputError, check_choice, check_flag, check_model_id,  # noqa: E402
-                       check_number, check_step, clean_prompt, prompt_ids)
-from ui.session import ModelCache, Session, tree_choices, tree_note  # noqa: E402
 from ui.explain import build_tab as explain_tab  # noqa: E402
+from ui.inputs import MAX_NEW_TOKENS, TOP_K, InputError, check_model_id, check_step  # noqa: E402
+from ui.models import ModelCache, model_name  # noqa: E402
+from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
+from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
+                       history_html, lanes_html, race_table_html)
+from ui.run import RACE_METHODS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
+from ui.session import Session  # noqa: E402
+from ui.settings import Settings, tree_choices  # noqa: E402
 from visualize import matrix_figure, race_figure, tree_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
@@ -47,7 +50,6 @@ TEXT_EVERY_S = 0.1
 FIGURE_EVERY_S = 0.75
 REPLAY_FRAME_S = 0.1
 PLAY_EVERY_S = 0.8
-RACE_METHODS = ("plain", "pld", "tr")
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # A tree a user can watch at work. "auto", the fastest on this machine, can be empty on a small CPU, where verifying
 # any draft costs more than it saves: the status line then says so.
@@ -64,10 +66,6 @@ def _out(names: tuple[str, ...], **values) -> tuple:
     return tuple(values.get(name, gr.skip()) for name in names)
 
 
-def _token_text(engine):
-    return lambda token: engine.tokenizer.decode([token])
-
-
 def placeholder(text: str) -> go.Figure:
     """An empty figure that says what will be drawn there."""
     fig = go.Figure().add_annotation(text=text, showarrow=False, font=dict(size=14, color="#777777"))
@@ -80,106 +78,106 @@ def _step_slider(n: int, value: int | None = None) -> gr.Slider:
                      interactive=n > 1, label=f"Step ({n} in this run): drag to see any step")
 
 
+def _prepared(run, failed: tuple):
+    """Set ``run`` up; where it cannot run, show ``failed`` before the error's message."""
+    try:
+        run.prepare()
+    except Exception:
+        yield failed
+        raise
+    return
+    yield  # a generator, for ``yield from``
+
+
+def live_frame(snap: Snapshot, text, figures: bool, session: Session) -> tuple:
+    """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; on the
+    final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
+    last = snap.events[-1] if snap.events else None
+    status = finished_status(last, snap.stopped) if snap.done else "running"
+    values = dict(answer=answer_html(snap.events), counters=counters_html(snap.rates, status, snap.note),
+                  session=session)
+    if (figures or snap.done) and last:
+        values.update(tree_plot=tree_figure(last, text), matrix_plot=matrix_figure(last, text),
+                      step=_step_slider(len(snap.events)))
+    if snap.done:
+        values["history"] = history_html(session.history)
+    return _out(LIVE_OUTPUTS, **values)
+
+
+def race_frame(progress: RaceProgress, race: Race, session: Session) -> tuple:
+    """The Race tab while measuring, and the table once every method is measured."""
+    tree = race.settings.tree
+    if not progress.done:
+        return _out(RACE_OUTPUTS, race_status=progress.status, lanes=lanes_html(progress.runs, None, tree))
+    if progress.stopped:
+        return _out(RACE_OUTPUTS, race_status=progress.status)
+    return _out(RACE_OUTPUTS, race_status=progress.status, table=race_table_html(progress.runs, race.decode, tree),
+                session=session, history=history_html(session.history))
+
+
 class Handlers:
-    """The app's event handlers. Holds the models loaded in this process (shared by all users); everything of one
-    user arrives and leaves through their ``Session``. Every value a request brings is checked by ``ui.inputs``
-    (the events take raw values: ``preprocess=False``); every failure ends as one message (``ui.errors``).
-    ``trees`` are the draft trees a user may pick; ``allow_local_models`` lets the Model box name a folder on the
-    server (``python app.py --allow-local-models``)."""
+    """The app's event handlers: adapters that check a request's values, ask a run (``ui.run``) for its next
+    snapshot, throttle and render it. Holds the models loaded in this process (shared by all users) and, per
+    browser session, what its Stop ends; everything of one user lives in their ``Session``. The events take raw
+    values (``preprocess=False``); every failure ends as one message (``ui.errors``). ``trees`` are the draft trees a
+    user may pick; ``allow_local_models`` lets the Model box name a folder on the server."""
 
     def __init__(self, models: ModelCache, trees: list[str], allow_local_models: bool = False):
         self.models, self.trees, self.allow_local_models = models, trees, allow_local_models
+        self.running: dict[str, Stoppable] = {}  # browser session -> its run, race or replay in progress
 
-    def _checked(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode) -> tuple:
-        """A run's settings, each checked: ``InputError`` names the first that is refused."""
-        return (clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
-                check_choice(tree, "draft tree", self.trees), check_number(top_k, "k (candidates per row)", TOP_K),
-                check_flag(hot_start, "Hot start"), check_model_id(model_id, self.allow_local_models),
-                check_choice(mode, "mode", list(MODES)))
+    def _settings(self, *values) -> Settings:
+        return Settings.check(*values, trees=self.trees, allow_local_models=self.allow_local_models)
 
-    def _engine(self, session: Session, model_id: str, tree: str, top_k: int, hot_start: bool, mode: str,
-                keep: bool = True):
-        base = self.models.get(model_id, mode)
+    @contextmanager
+    def _stoppable(self, request: gr.Request, run: Stoppable):
+        """While ``run`` goes on, Stop from the same browser session ends it."""
+        self.running[request.session_hash] = run
         try:
-            return session.engine(base, model_id, tree, top_k, hot_start, keep)
-        except ValueError as e:  # e.g. a tree that needs a larger k
-            raise InputError(str(e)) from None
+            yield run
+        finally:
+            if self.running.get(request.session_hash) is run:
+                del self.running[request.session_hash]
 
     @user_errors
-    def live(self, prompt: str, max_new_tokens: int, tree: str, top_k: int, hot_start: bool, model_id: str,
-             mode: str, session: Session):
-        """Decode ``prompt`` with Token Recycling, streaming the answer every step and the figures every
-        ``FIGURE_EVERY_S``."""
-        prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode = self._checked(
-            prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode)
-        if not self.models.loaded(model_id, mode):
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "loading the model (once per process and "
-                                                                        "mode)…"))
-        try:
-            engine, note = self._engine(session, model_id, tree, top_k, hot_start, mode)
-            ids, prompt_note = prompt_ids(engine.tokenizer, prompt, max_new_tokens, engine.context_length)
-        except Exception:
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "not run: see the message"))
-            raise
-        start = session.matrix_start(hot_start)
-        session.begin_run(model_id, tree, top_k, start, hot_start)
-        session.mode = mode
-        events, text = session.events, _token_text(engine)
-        session.note = "; ".join(filter(None, [prompt_note, f"mode {mode_dtype(mode)[1]}", tree_note(engine, tree),
-                                               f"adjacency matrix: {note}"]))
+    def live(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
+             request: gr.Request):
+        """Decode with Token Recycling, streaming the answer at most every ``TEXT_EVERY_S`` and the figures every
+        ``FIGURE_EVERY_S`` (steps in between arrive together), then the whole final state."""
+        run = LiveRun(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
+                                                           mode))
+        if run.needs_loading:
+            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "loading the model (once per process and mode)…"))
+        yield from _prepared(run, _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "not run: see the message")))
         yield _out(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
-                   counters=counters_html(Rates(), "running", session.note), step=_step_slider(1, 0))
-        steps, compute = engine.stream(ids, max_new_tokens), 0.0
-        shown_at = drawn_at = time.perf_counter()
-        while not session.stop_requested:
-            t0 = time.perf_counter()
-            try:
-                event = next(steps, None)
-            except ValueError as e:  # e.g. a prompt longer than the model's context
-                raise gr.Error(str(e), print_exception=False) from None
-            compute += time.perf_counter() - t0
-            if event is None:
-                break
-            events.append(event)
-            session.counters = Rates(event.total_tokens, event.total_steps, compute)
-            now = time.perf_counter()
-            if event.finished or (len(events) > 1 and now - shown_at < TEXT_EVERY_S):
-                continue  # the last step is shown below; between updates, steps gather
-            shown_at, figures = now, {}
-            if now - drawn_at >= FIGURE_EVERY_S:
-                figures = dict(tree_plot=tree_figure(event, text), matrix_plot=matrix_figure(event, text),
-                               step=_step_slider(len(events)))
-                drawn_at = time.perf_counter()
-            yield _out(LIVE_OUTPUTS, answer=answer_html(events), session=session,
-                       counters=counters_html(session.counters, "running", session.note), **figures)
-        stopped = session.stop_requested
-        session.end_run("live (stopped)" if stopped else "live")
-        # The whole final state, so that the page and an API caller's result (the last update) agree.
-        last = events[-1] if events else None
-        figures = dict(tree_plot=tree_figure(last, text), matrix_plot=matrix_figure(last, text),
-                       step=_step_slider(len(events))) if last else {}
-        counters = counters_html(session.counters, finished_status(last, stopped), session.note)
-        yield _out(LIVE_OUTPUTS, answer=answer_html(events), counters=counters, session=session,
-                   history=history_html(session.history), **figures)
+                   counters=counters_html(Rates(), "running", run.note), step=_step_slider(1, 0))
+        text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
+        with self._stoppable(request, run):
+            for snap in run.snapshots():
+                if snap.done or text_due():
+                    yield live_frame(snap, run.token_text, snap.done or figures_due(), session)
 
-    def stop(self, session: Session) -> None:
-        """Stop pressed: the run in progress ends after its current step (and a race or replay, too)."""
-        session.stop_requested = True
+    def stop(self, request: gr.Request) -> None:
+        """Stop pressed: this browser session's run, race or replay ends after its current step."""
+        running = self.running.get(request.session_hash)
+        if running is not None:
+            running.stop()
 
     @user_errors
     def view_step(self, index: float, session: Session):
-        """The answer with step ``index`` outlined, and that step's tree and matrix rows."""
-        events = session.events
-        if not events:
+        """The answer with step ``index`` outlined, and that step's tree and matrix rows: from the session's record
+        of its latest run, never from a model."""
+        live = session.live
+        if live is None or not live.events:
             return gr.skip(), gr.skip(), gr.skip()
-        event = events[check_step(index, len(events))]
-        text = _token_text(self.models.get(session.model_id, session.mode))
-        return answer_html(events, current=event.step), tree_figure(event, text), matrix_figure(event, text)
+        event = live.events[check_step(index, len(live.events))]
+        return (answer_html(live.events, current=event.step), tree_figure(event, live.token_text),
+                matrix_figure(event, live.token_text))
 
     @user_errors
     def play(self, index: float, session: Session):
         """Start the step player, from the first step when the slider stands at the last."""
-        n = len(session.events)
+        n = len(session.live.events) if session.live else 0
         if n < 2:
             return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         start = 0 if int(index) >= n - 1 else int(index)
@@ -187,7 +185,7 @@ class Handlers:
 
     @user_errors
     def tick(self, index: float, session: Session):
-        n = len(session.events)
+        n = len(session.live.events) if session.live else 0
         if int(index) + 1 >= n:
             return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (gr.Timer(), _step_slider(n, int(index) + 1), *self.view_step(int(index) + 1, session))
@@ -200,61 +198,34 @@ class Handlers:
                 _step_slider(1, 0), history_html(session.history))
 
     @user_errors
-    def race(self, prompt: str, max_new_tokens: int, tree: str, top_k: int, hot_start: bool, model_id: str,
-             mode: str, session: Session):
+    def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
+             request: gr.Request):
         """Measure plain, Prompt Lookup and Token Recycling one after another, each alone on the CPU; the table
         comes out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
-        prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode = self._checked(
-            prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode)
-        runs: dict[str, RaceRun | None] = dict.fromkeys(RACE_METHODS)
-        session.stop_requested, session.race = False, None
-        yield _out(RACE_OUTPUTS, race_status="Loading the model…", lanes=lanes_html(runs, None, tree), table="",
+        race = Race(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
+                                                         mode))
+        yield _out(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
+                   lanes=lanes_html(dict.fromkeys(RACE_METHODS), None, tree), table="",
                    race_plot=placeholder(RACE_PLACEHOLDER))
-        try:  # on a copy of the user's matrix: measuring does not teach it
-            engine, note = self._engine(session, model_id, tree, top_k, hot_start, mode, keep=False)
-            ids, prompt_note = prompt_ids(engine.tokenizer, prompt, max_new_tokens, engine.context_length)
-        except Exception:
-            yield _out(RACE_OUTPUTS, race_status="Not run: see the message.")
-            raise
-        about_prompt = f" ({prompt_note})" if prompt_note else ""
-        start = session.matrix_start(hot_start)
-        yield _out(RACE_OUTPUTS, race_status=f"Warming up (one token, not measured){about_prompt}…")
-        engine.generate(ids, 1, method="plain")
-        for i, method in enumerate(RACE_METHODS, 1):
-            yield _out(RACE_OUTPUTS, race_status=f"Measuring {i} of {len(RACE_METHODS)}: {method_label(method)}, "
-                                                 f"alone on the CPU{about_prompt}…", lanes=lanes_html(runs, None, tree))
-            events = []
-            for event in engine.stream(ids, max_new_tokens, method=method):
-                events.append(event)  # nothing else between steps: the run's clock measures decoding alone
-                if session.stop_requested:
-                    yield _out(RACE_OUTPUTS, race_status="Stopped.")
-                    return
-            runs[method] = RaceRun(method, events)
-        for method, run in runs.items():
-            tr = method == "tr"
-            session.record(f"race: {method}", tree if tr else "-", top_k if tr else "-", start if tr else "-",
-                           len(run.token_ids), len(run.events), run.tokens_per_s)
-        session.race, session.race_tree = runs, tree
-        session.race_note = f"mode {mode_dtype(mode)[1]}; {tree_note(engine, tree)}; adjacency matrix: {note}"
-        yield _out(RACE_OUTPUTS, race_status=f"Measured{about_prompt}. Replaying side by side at the measured speed…",
-                   table=race_table_html(runs, engine.tokenizer.decode, tree), session=session,
-                   history=history_html(session.history))
+        yield from _prepared(race, _out(RACE_OUTPUTS, race_status="Not run: see the message."))
+        with self._stoppable(request, race):
+            for progress in race.progress():
+                yield race_frame(progress, race, session)
 
     @user_errors
-    def replay(self, session: Session):
+    def replay(self, session: Session, request: gr.Request):
         """The measured runs side by side, each step appearing when it finished in its own run."""
-        runs, tree = session.race, session.race_tree
-        if not runs:
+        race = session.race
+        if race is None:
             return
-        end = max(run.elapsed_s for run in runs.values())
-        t0 = time.perf_counter()
-        while (t := time.perf_counter() - t0) < end and not session.stop_requested:
-            yield (f"Replaying at the measured speed: {t:.1f} s of {end:.1f} s", lanes_html(runs, t, tree),
-                   race_chart(runs, t))
-            time.sleep(REPLAY_FRAME_S)
-        done = "Replay stopped" if session.stop_requested else "Done"
-        yield (f"{done}. Token Recycling's {session.race_note}.", lanes_html(runs, None, tree),
-               race_chart(runs))
+        end, t0 = max(run.elapsed_s for run in race.runs.values()), time.perf_counter()
+        with self._stoppable(request, Stoppable()) as replay:
+            while (t := time.perf_counter() - t0) < end and not replay.stopped:
+                yield (f"Replaying at the measured speed: {t:.1f} s of {end:.1f} s",
+                       lanes_html(race.runs, t, race.tree), race_chart(race.runs, t))
+                time.sleep(REPLAY_FRAME_S)
+        done = "Replay stopped" if replay.stopped else "Done"
+        yield f"{done}. Token Recycling's {race.note}.", lanes_html(race.runs, None, race.tree), race_chart(race.runs)
 
     @user_errors
     def load_model(self, model_id: str):
@@ -262,25 +233,19 @@ class Handlers:
         model that does not load ends as an error, after the status line says so."""
         try:
             model_id = check_model_id(model_id, self.allow_local_models)
-            name = model_id or "the embedded SmolLM2-135M-Instruct"
             if not self.models.loaded(model_id):
-                yield f"Loading {name}…"
-            engine = self.models.get(model_id)
+                yield f"Loading {model_name(model_id)}…"
+            summary = self.models.describe(model_id)
         except (InputError, ModelLoadError) as e:
             yield f"**Not loaded.** {e}"
             raise
-        seconds = self.models.load_seconds.get((model_id, "exact"), 0.0)
-        params = sum(p.numel() for p in engine.model.parameters()) / 1e6
-        yield f"**Loaded** {name}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, in {seconds:.1f} s."
+        yield f"**Loaded** {summary}."
 
     @user_errors
     def trace(self, session: Session) -> dict:
         """This session's latest live run and race, every step event as plain data (as the command line's
         ``--trace`` writes them): built here from the session, never read from a file."""
-        live = dict(tree=session.tree, model=session.model_id or "embedded",
-                    events=[e.to_dict() for e in session.events])
-        race = {m: [e.to_dict() for e in run.events] for m, run in (session.race or {}).items()}
-        return dict(live=live, race=dict(tree=session.race_tree, runs=race))
+        return session.trace()
 
 
 def race_chart(runs: dict[str, RaceRun], at_s: float | None = None):
@@ -379,7 +344,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history]
         run.click(h.live, settings, live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
         # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
-        stop.click(h.stop, [session], None, api_name="stop", queue=False)
+        stop.click(h.stop, None, None, api_name="stop", queue=False)
         reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, step, history],
                     api_name="reset")
         step.input(h.view_step, [step, session], [answer, tree_plot, matrix_plot], api_name="step",
@@ -392,7 +357,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                               api_name="race", show_progress="hidden", **model_work, **raw)
         race_run.success(h.replay, [session], [race_status, lanes, race_plot], api_name="replay",
                                        show_progress="hidden")
-        race_stop.click(h.stop, [session], None, api_visibility="private", queue=False)
+        race_stop.click(h.stop, None, None, api_visibility="private", queue=False)
         load.click(h.load_model, [model_id], [model_status], api_name="load_model", **model_work, **raw)
         show_trace.click(h.trace, [session], [trace], api_name="trace")
     return demo

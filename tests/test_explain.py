@@ -217,7 +217,7 @@ def no_model_app():
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
     import app
     from test_app import free_port
-    from ui.session import ModelCache
+    from ui.models import ModelCache
 
     def refuse(*args, **kwargs):
         raise AssertionError("the How it works tab tried to load a model")

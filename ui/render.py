@@ -139,7 +139,7 @@ def lanes_html(runs: Mapping[str, RaceRun | None], at_s: float | None, tree: str
     return f'<div class="tr-lanes">{"".join(lanes)}</div>'
 
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_different_token(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first token where ``a`` and ``b`` differ (or where the shorter ends); ``None`` if equal."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -149,7 +149,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 def difference_html(plain: RaceRun, other: RaceRun, decode) -> str:
     """Where ``other``'s output leaves plain decoding's: the shared text, then both continuations."""
-    i = first_difference(plain.token_ids, other.token_ids)
+    i = first_different_token(plain.token_ids, other.token_ids)
     if i is None:
         return ""
     shared, a, b = decode(plain.token_ids[:i]), decode(plain.token_ids[i:]), decode(other.token_ids[i:])

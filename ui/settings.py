@@ -1,0 +1,63 @@
+"""A run's settings, as the page's controls give them, each checked (``ui.inputs``), and the draft trees a user may
+pick.
+
+    settings = Settings.check(prompt, 64, "small", 8, True, "", "exact", trees=tree_names())
+    settings.max_new_tokens                     # 64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tr_core.assets import TREES_DIR
+from tr_core.engine import AUTO
+from tr_core.kernels import MODES
+from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
+
+from .inputs import (MAX_NEW_TOKENS, TOP_K, Prompt, check_choice, check_flag, check_model_id, check_number,
+                     clean_prompt)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings, every one checked. ``model_id`` ``""`` is the embedded model."""
+
+    prompt: Prompt
+    max_new_tokens: int
+    tree: str
+    top_k: int
+    hot_start: bool
+    model_id: str
+    mode: str
+
+    @classmethod
+    def check(cls, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, *, trees: list[str],
+              allow_local_models: bool = False) -> "Settings":
+        """The settings a request brings, in the order of the page's controls; ``InputError`` names the first that
+        is refused."""
+        return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
+                   check_choice(tree, "draft tree", trees), check_number(top_k, "k (candidates per row)", TOP_K),
+                   check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
+                   check_choice(mode, "mode", list(MODES)))
+
+
+def tree_names(dirs: tuple[Path, ...] = (TREES_DIR,)) -> list[str]:
+    """Every tree a user can pick: the tree fitted to the model and machine (``auto``), the built-in templates, and
+    each ``<name>.json`` in ``dirs``."""
+    extra = sorted({p.stem for d in dirs for p in Path(d).glob("*.json")} - set(BUILTIN_TEMPLATES) - {AUTO})
+    return [AUTO] + list(BUILTIN_TEMPLATES) + extra
+
+
+def tree_choices(dirs: tuple[Path, ...] = (TREES_DIR,)) -> list[tuple[str, str]]:
+    """``[(label, name), ...]`` for a dropdown, e.g. ``("paper: the paper's tree, 80 draft nodes", "paper")``; a
+    tree file that does not load is left out. The fitted tree's size is known once the model is loaded."""
+    choices = [(f"{AUTO}: fitted to the model and this machine", AUTO)]
+    for name in tree_names(dirs)[1:]:
+        try:
+            size = load_template(name, dirs).size - 1
+        except TreeTemplateError:
+            continue
+        choices.append((f"{name}: {'the paper' + chr(39) + 's tree, ' if name == 'paper' else ''}{size} draft nodes",
+                        name))
+    return choices
