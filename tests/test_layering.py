@@ -1,17 +1,127 @@
-"""The direction of imports: tr_core knows torch and transformers only; nothing imports the app."""
+"""The direction of imports: every module of every package is imported, and what it brought in is checked.
 
+    tr_core     torch and transformers; never gradio, plotly, networkx, visualize, ui, app or benchmark
+    visualize   plotly, networkx and, of tr_core, only the event types (tr_core.events; tr_core/__init__ is lazy);
+                never torch, transformers, gradio, ui, app or benchmark
+    ui          anything below it; never app or benchmark
+    app.py, benchmark.py   the top: they wire the packages
+
+Each package is imported in a fresh interpreter, one module after another, and each module is charged with the
+modules that appeared in ``sys.modules`` while it was imported. A module that a sibling imported first is charged to
+that sibling: the rules are per package, so a forbidden import is caught either way. The three interpreters run at
+once (importing torch and gradio takes seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
+FORBIDDEN = {  # package -> the top-level modules none of its modules may import
+    "tr_core": {"gradio", "plotly", "networkx", "visualize", "ui", "app", "benchmark"},
+    "visualize": {"torch", "transformers", "gradio", "ui", "app", "benchmark"},
+    "ui": {"app", "benchmark"},
+}
+TR_CORE_FOR_VISUALIZE = {"tr_core", "tr_core.events"}  # the parts of tr_core visualize may import
+TOP = ("app", "benchmark")  # the top-level modules; they may import anything
 
-def imported_after(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    return {name.split(".")[0] for name in out.stdout.split()}
+# In a fresh interpreter: import each module named on the command line, in order, and print what each brought in.
+PROBE = """
+import importlib, json, sys
+loaded = {}
+for name in sys.argv[1:]:
+    before = set(sys.modules)
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        loaded[name] = {"error": f"{type(e).__name__}: {e}"}
+        continue
+    loaded[name] = sorted(set(sys.modules) - before)
+print("LOADED " + json.dumps(loaded))
+"""
 
 
-def test_tr_core_does_not_import_ui_or_plotting():
-    modules = imported_after("import tr_core, tr_core.engine, tr_core.spec_bench")
-    assert not modules & {"gradio", "plotly", "networkx", "visualize", "app"}
+def package_modules(package: str) -> list[str]:
+    """Every module of ``package`` (its ``__init__`` first), from the files in its folder."""
+    folder = ROOT / package
+    return [package] + sorted(f"{package}.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__")
+
+
+def violations(loaded: dict[str, list[str]]) -> list[str]:
+    """The imports that break the rules, as ``"<module> imports <name>"``; ``loaded`` maps each module imported to
+    the modules that appeared while it was imported, e.g. ``{"tr_core.matrix": ["torch", "plotly"]}`` ->
+    ``["tr_core.matrix imports plotly"]``."""
+    found = []
+    for module, names in loaded.items():
+        package = module.split(".")[0]
+        for name in names:
+            top = name.split(".")[0]
+            if top in FORBIDDEN.get(package, ()) or (
+                    package == "visualize" and top == "tr_core" and name not in TR_CORE_FOR_VISUALIZE):
+                found.append(f"{module} imports {name}")
+    return found
+
+
+def import_all(groups: list[list[str]]) -> dict[str, list[str] | dict]:
+    """Import each group of modules in its own fresh interpreter (all groups at once); what each module brought in."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False"}
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, *group], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for group in groups]
+    loaded = {}
+    for group, proc in zip(groups, procs):
+        out, err = proc.communicate(timeout=300)
+        lines = [line for line in out.splitlines() if line.startswith("LOADED ")]
+        assert proc.returncode == 0 and lines, f"importing {group[0]}... failed:\n{err[-2000:]}"
+        loaded.update(json.loads(lines[-1][len("LOADED "):]))
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, list[str] | dict]:
+    # ui and the top share an interpreter: the top comes last, so nothing it imports is charged to a ui module
+    return import_all([package_modules("tr_core"), package_modules("visualize"), package_modules("ui") + list(TOP)])
+
+
+def test_every_module_imports(loaded):
+    expected = package_modules("tr_core") + package_modules("visualize") + package_modules("ui") + list(TOP)
+    assert list(loaded) == expected
+    assert {"tr_core.engine", "tr_core.bench", "visualize.charts", "ui.lesson"} <= set(loaded)
+    failed = {module: names["error"] for module, names in loaded.items() if isinstance(names, dict)}
+    assert not failed
+
+
+def test_imports_go_one_way(loaded):
+    assert violations({module: names for module, names in loaded.items() if isinstance(names, list)}) == []
+
+
+def test_the_probe_sees_what_each_package_uses(loaded):
+    # without these, the checks above would pass on an empty measurement
+    def used(package):
+        return {name.split(".")[0] for module, names in loaded.items() if module.split(".")[0] == package
+                for name in names}
+
+    assert {"torch", "transformers"} <= used("tr_core") and {"plotly", "networkx", "tr_core"} <= used("visualize")
+    assert {"gradio", "torch"} <= used("ui") | used("app")
+
+
+@pytest.mark.parametrize("module, names, broken", [
+    ("tr_core.bench", ["visualize", "visualize.charts", "plotly"], ["visualize", "visualize.charts", "plotly"]),
+    ("tr_core.engine", ["torch", "transformers.models"], []),
+    ("tr_core.record_trace", ["ui.lesson", "gradio"], ["ui.lesson", "gradio"]),
+    ("tr_core.models", ["networkx", "app"], ["networkx", "app"]),
+    ("visualize.trace", ["tr_core", "tr_core.events", "plotly", "networkx"], []),
+    ("visualize.tree_fig", ["tr_core.tree", "torch"], ["tr_core.tree", "torch"]),
+    ("visualize.charts", ["transformers", "gradio", "benchmark"], ["transformers", "gradio", "benchmark"]),
+    ("ui.session", ["torch", "tr_core.engine", "gradio", "visualize"], []),
+    ("ui.page", ["app"], ["app"]),
+    ("app", ["gradio", "torch", "ui", "visualize", "tr_core.engine"], []),
+    ("benchmark", ["tr_core.bench", "visualize.charts"], []),
+])
+def test_the_checker_catches_each_broken_rule(module, names, broken):
+    assert violations({module: names}) == [f"{module} imports {name}" for name in broken]
