@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .assets import ASSETS_DIR, TREES_DIR, hot_start_path  # noqa: F401 (ASSETS_DIR: ui/session.py reads it here)
+from .assets import TREES_DIR, hot_start_path
 from .decoding import DecodeResult, Drafter, _max_positions, decode, run
 from .drafters import PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .events import StepEvent
