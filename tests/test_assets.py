@@ -19,9 +19,8 @@ def test_the_assets_folder_is_the_repositorys():
 def test_hot_start_files_put_the_asked_k_first(tmp_path):
     for name in ("m-k4", "m-k8", "m-k16", "other-k8"):
         (tmp_path / f"{name}.safetensors").touch()
-    assert [p.name for p in hot_start_files("m", 8, tmp_path)] == [
-        "m-k8.safetensors", "m-k16.safetensors", "m-k4.safetensors"]
-    assert [p.name for p in hot_start_files("m", 2, tmp_path)] == ["m-k16.safetensors", "m-k4.safetensors", "m-k8.safetensors"]
+    assert [p.stem for p in hot_start_files("m", 8, tmp_path)] == ["m-k8", "m-k16", "m-k4"]  # then by name
+    assert [p.stem for p in hot_start_files("m", 2, tmp_path)] == ["m-k16", "m-k4", "m-k8"]
     assert hot_start_files("m", 8, tmp_path / "missing") == []
 
 
