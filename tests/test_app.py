@@ -17,6 +17,7 @@ import torch
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 
 import app  # noqa: E402
+from conftest import ROOT  # noqa: E402
 from tr_core.engine import Engine  # noqa: E402
 from tr_core.events import Rates, RowUpdate, StepEvent  # noqa: E402
 from tr_core.matrix import AdjacencyMatrix  # noqa: E402
@@ -478,3 +479,15 @@ def test_a_model_that_cannot_load_leaves_the_app_usable(client):
 
 
 # A local model folder loads where the app allows it: tests/test_app_many_users.py
+
+
+def test_app_py_is_layout_and_wiring():
+    """Every handler is a short adapter: what a run does lives in ui.run, below the UI."""
+    import ast
+
+    tree = ast.parse((ROOT / "app.py").read_text())
+    handlers = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Handlers")
+    lengths = {f.name: f.end_lineno - f.lineno + 1 for f in handlers.body if isinstance(f, ast.FunctionDef)}
+    assert {"live", "race", "replay", "stop", "view_step"} <= set(lengths)
+    assert max(lengths.values()) <= 25, lengths
+    assert "engine" not in (ROOT / "app.py").read_text(), "app.py asks runs and the model cache, never an engine"
