@@ -38,9 +38,8 @@ class TreeTemplateError(ValueError):
     """A tree template that cannot be used, with the reason."""
 
 
-# The templates shipped in assets/trees/<name>.json, in the order they are offered (largest first). Each file holds
-# {"about": "...", "branching": {...}}; the paper's 81-node tree first, then smaller ones for machines where
-# verifying 81 tokens costs much more than one decoding step.
+# The templates shipped in assets/trees/<name>.json, in the order they are offered: the paper's 81-node tree, then
+# smaller ones for machines where verifying 81 tokens costs much more than one decoding step.
 BUILTIN_TEMPLATES: tuple[str, ...] = ("paper", "medium", "small", "tiny", "chain4")
 
 
