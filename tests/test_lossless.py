@@ -72,7 +72,7 @@ def test_long_accepted_paths_stay_exact(tiny, tree):
         ref = reference_greedy(model, prompt, NEW_TOKENS)
         drafter = RecyclingDrafter(oracle_matrix(model, prompt, ref), load_template(tree))
         # The update overwrites rows as it goes; freeze them so the oracle stays an oracle for this test.
-        drafter.update = lambda tokens, logits, path, top=None: []
+        drafter.update = lambda tokens, path, top: []
         result = run(model, prompt, drafter, NEW_TOKENS)
         assert result.token_ids == ref
         total_tokens += len(result.token_ids)

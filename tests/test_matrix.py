@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tr_core.matrix import AdjacencyMatrix
@@ -18,16 +19,20 @@ def test_retrieval_from_a_hand_filled_matrix():
 def test_update_overwrites_rows_with_topk_and_accepted_path_wins():
     m = AdjacencyMatrix(vocab_size=6, k=2)
     tokens = torch.tensor([3, 5, 3])  # token 3 occurs twice: node 0 (root) and node 2
-    logits = torch.tensor([
-        [0.0, 1, 5, 2, 0, 0],  # top-2: 2, 3
-        [9.0, 0, 0, 0, 8, 0],  # top-2: 0, 4
-        [0.0, 0, 0, 0, 7, 9],  # top-2: 5, 4
-    ])
-    m.update(tokens, logits, priority=torch.tensor([0, 1]))
+    top = torch.tensor([[2, 3], [0, 4], [5, 4]])  # each node's best next tokens, best first
+    m.update(tokens, top, priority=torch.tensor([0, 1]))
     assert m.rows[5].tolist() == [0, 4]
     assert m.rows[3].tolist() == [2, 3]  # from the root (on the accepted path), not from node 2
-    m.update(tokens, logits)
+    m.update(tokens, top)
     assert m.rows[3].tolist() == [5, 4]  # without priority the last occurrence wins
+
+
+def test_update_keeps_the_first_k_of_a_longer_top_and_refuses_a_shorter_one():
+    m = AdjacencyMatrix(vocab_size=6, k=2)
+    m.update(torch.tensor([1]), torch.tensor([[4, 0, 5]]))
+    assert m.rows[1].tolist() == [4, 0]
+    with pytest.raises(ValueError, match="k=2"):
+        m.update(torch.tensor([1]), torch.tensor([[4]]))
 
 
 def test_save_load_round_trip_and_size(tmp_path):

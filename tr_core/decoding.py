@@ -6,7 +6,7 @@ The KV cache always holds every token but the last one, the *root*. Each step:
    the context, its ancestors and itself, and position ids = context length + depth;
 3. the longest root-to-leaf path whose tokens equal the model's greedy choice at their parent is accepted, plus the
    bonus token (the model's choice after the path's last node);
-4. the cache keeps only the accepted path; the drafter learns from the step's logits;
+4. the cache keeps only the accepted path; the drafter learns from the step (each node's top-k next tokens);
 5. an event is yielded. The bonus token becomes the next root.
 """
 
@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel
 
+from .drafters import Drafter
 from .events import Rates, RowUpdate, StepEvent
 from .kv import keep_accepted_path, new_cache
 from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
-
-
-class Drafter(Protocol):
-    name: str
-    wants_prefill_logits: bool
-    top_k: int  # how many of each node's best next tokens ``update`` takes (0: none)
-
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
-
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
-               top: torch.Tensor | None = None) -> list[RowUpdate]: ...
-
-    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -182,7 +170,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         _sync(device)
         t2 = time.perf_counter()
 
-        predicted, top = greedy_and_top_k(logits, getattr(drafter, "top_k", 0))
+        predicted, top = greedy_and_top_k(logits, drafter.top_k)
         path = accept(tokens, predicted, tree)
         bonus = int(predicted[path[-1]])
         new = tokens[path[1:]].tolist() + [bonus]
@@ -195,7 +183,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
             new = new[:budget]
             if len(new) == budget:
                 stop_reason = "max_new_tokens"
-        rows = drafter.update(tokens, logits, path) if top is None else drafter.update(tokens, logits, path, top)
+        rows = drafter.update(tokens, path, top)
         keep_accepted_path(cache, past_len, tree.size, path)
         seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
         length += len(new)

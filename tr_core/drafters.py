@@ -1,8 +1,5 @@
-"""Drafters: where the guessed tokens of a step come from. All three share one verification engine.
-
-A drafter has two methods, as in transformers' candidate generators:
-- ``propose(context, root)`` -> ``(tokens, tree)``: draft tokens for every node of ``tree`` (node 0 = ``root``);
-- ``update(tokens, logits, path)`` -> rows updated: learn from the verified step.
+"""Drafters: where the guessed tokens of a step come from. All three share one verification engine
+(``decoding.decode``), which calls them only through the ``Drafter`` protocol below.
 
 Plain decoding proposes the root alone; Prompt Lookup a chain copied from an earlier n-gram match; Token Recycling
 a tree retrieved from its adjacency matrix.
@@ -10,11 +7,44 @@ a tree retrieved from its adjacency matrix.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .events import RowUpdate
 from .matrix import AdjacencyMatrix
 from .tree import TreeBuffers, chain_tree
+
+
+class Drafter(Protocol):
+    """What the decoding loop asks of a drafter, as in transformers' candidate generators (``get_candidates``,
+    ``update_candidate_strategy``), plus a hook for the prompt.
+
+    Each step the loop calls ``propose``, verifies the draft in one forward pass, then calls ``update`` once, always
+    as ``update(tokens, path, top)``. ``n`` is the tree's node count, ``V`` the vocabulary size.
+
+    - ``name``: the method's name in events ("plain", "pld", "tr").
+    - ``top_k``: how many of each node's best next tokens ``update`` wants (0: none; ``top`` is then None).
+    - ``wants_prefill_logits``: whether the loop should compute the prompt's logits for ``on_prefill``.
+    - ``propose(context, root)``: ``context`` (L,) int64, the sequence so far, its last token ``root`` not yet in
+      the KV cache -> ``(tokens, tree)``: ``tokens`` (n,) int64 with ``tokens[0] == root``, on the context's device,
+      and the draft tree of ``n`` nodes in BFS order.
+    - ``update(tokens, path, top)``: learn from the verified step. ``tokens`` (n,) as proposed; ``path`` (a + 1,)
+      int64, the accepted path's node indices, root first; ``top`` (n, top_k) int64, each node's best next tokens,
+      best first (None when ``top_k`` is 0). Returns the adjacency-matrix rows it rewrote (empty: none).
+    - ``on_prefill(ids, logits)``: called only when ``wants_prefill_logits``, in chunks, with ``ids`` (m,) distinct
+      prompt tokens in sequence order and ``logits`` (m, V), the next-token logits at each one's last occurrence.
+    """
+
+    name: str
+    top_k: int
+    wants_prefill_logits: bool
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
+
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]: ...
+
+    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
 
 
 class PlainDrafter:
@@ -27,8 +57,7 @@ class PlainDrafter:
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return context[-1:].clone(), chain_tree(0)
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
-               top: torch.Tensor | None = None) -> list[RowUpdate]:
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
         return []
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
@@ -68,7 +97,8 @@ class PromptLookupDrafter(PlainDrafter):
 
 class RecyclingDrafter(PlainDrafter):
     """Token Recycling: retrieve a draft tree from the adjacency matrix, then overwrite the rows of every tree
-    token (accepted and rejected, root included) with the top-k of that node's output distribution."""
+    token (accepted and rejected, root included) with the top-k of that node's output distribution. ``top_k`` is
+    the matrix's k: the loop hands ``update`` each node's k best next tokens."""
 
     name = "tr"
 
@@ -77,21 +107,18 @@ class RecyclingDrafter(PlainDrafter):
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, more than the matrix's k={matrix.k} allows")
         self.matrix, self.tree, self.seed_from_prompt = matrix, tree.to(matrix.rows.device), seed_from_prompt
         self.wants_prefill_logits = seed_from_prompt
+        self.top_k = matrix.k
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return self.matrix.retrieve(root, self.tree), self.tree
 
-    @property
-    def top_k(self) -> int:
-        return self.matrix.k
-
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, path: torch.Tensor,
-               top: torch.Tensor | None = None) -> list[RowUpdate]:
-        """``top``: each node's ``top_k`` best next tokens, where the caller has them (else taken from ``logits``)."""
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
+        """Overwrite the rows of the tree's tokens with ``top`` (n, k); returns each distinct token's row change, in
+        order of first occurrence."""
         distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
         index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
         old = self.matrix.rows[index].tolist()
-        self.matrix.update(tokens, logits, priority=path, top=top)
+        self.matrix.update(tokens, top, priority=path)
         new = self.matrix.rows[index].tolist()
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 

@@ -55,16 +55,16 @@ class AdjacencyMatrix:
             tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
         return tokens
 
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor, priority: torch.Tensor | None = None,
-               top: torch.Tensor | None = None) -> torch.Tensor:
-        """Overwrite the rows of ``tokens`` (n,) with the top-k of ``logits`` (n, V); returns the new rows (n, k).
-        ``top``: that top-k's indices (n, >= k), where the caller has already taken them.
+    def update(self, tokens: torch.Tensor, top: torch.Tensor, priority: torch.Tensor | None = None) -> torch.Tensor:
+        """Overwrite the rows of ``tokens`` (n,) with ``top`` (n, >= k), each node's best next tokens, best first (the
+        decoding step takes them with its greedy choice, so the matrix needs no second pass over the vocabulary);
+        returns the new rows (n, k).
 
         A token that occurs at several nodes gets the row of its last occurrence; nodes listed in ``priority``
         (the accepted path) are written last, so a token on the accepted path keeps the row from its real context.
         """
-        if top is None or top.shape[-1] < self.k:
-            top = torch.topk(logits, self.k, dim=-1).indices
+        if top.shape[-1] < self.k:
+            raise ValueError(f"the matrix keeps k={self.k} candidates per row, got {top.shape[-1]}")
         new_rows = top[:, :self.k].to(torch.int32)
         if priority is None:
             self.rows[tokens] = new_rows
