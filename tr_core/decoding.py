@@ -8,6 +8,9 @@ The KV cache always holds every token but the last one, the *root*. Each step:
    bonus token (the model's choice after the path's last node);
 4. the cache keeps only the accepted path; the drafter learns from the step (each node's top-k next tokens);
 5. an event is yielded. The bonus token becomes the next root.
+
+In code: ``prefill`` (the prompt into the cache), ``verify_step`` (steps 1-4), ``stop_rule`` (EOS, budget, context),
+``step_event`` (step 5's event), and ``decode``, the loop over them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from .drafters import Drafter
 from .events import Rates, RowUpdate, StepEvent
@@ -108,6 +111,148 @@ def _max_positions(model: PreTrainedModel) -> int | None:
     return None
 
 
+def _check(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> int | None:
+    """Raise a clear ValueError for inputs ``decode`` cannot take; return the model's context length (None: none)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    max_pos = _max_positions(model)
+    if max_pos is not None and len(prompt_ids) >= max_pos:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
+    return max_pos
+
+
+def _last_occurrences(ids: torch.Tensor) -> torch.Tensor:
+    """Positions of the last occurrence of each distinct value, ascending: ``[5, 3, 5, 7] -> [1, 2, 3]``."""
+    n = ids.numel()
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=ids.device)
+    last.scatter_reduce_(0, inverse, torch.arange(n, device=ids.device), reduce="amax")
+    return last.sort().values
+
+
+def prefill(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, ids: torch.Tensor,
+            drafter: Drafter) -> None:
+    """Run ``ids`` (p,), the prompt but its last token (the first root), into ``cache``. The prefill needs no
+    logits, unless the drafter seeds itself from them (``wants_prefill_logits``): then ``on_prefill`` gets one row
+    per distinct prompt token, at its last occurrence, in chunks of 256."""
+    if ids.numel() == 0:
+        return
+    hidden = base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+    if drafter.wants_prefill_logits:
+        # what overwriting row after row in sequence order would leave, for the output layer and top-k of fewer
+        # positions, in chunks to bound the peak
+        last = _last_occurrences(ids)
+        for i in range(0, last.numel(), 256):
+            drafter.on_prefill(ids[last[i:i + 256]], head(hidden[last[i:i + 256]]))
+
+
+@dataclass
+class Step:
+    """One verification step, before the stop rule: the draft ``tokens`` (n,) and ``tree``, the model's greedy
+    choice after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the ``bonus`` token,
+    ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows`` the drafter
+    rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass and
+    output layer alone)."""
+
+    tokens: torch.Tensor
+    tree: TreeBuffers
+    predicted: torch.Tensor
+    path: torch.Tensor
+    bonus: int
+    new_tokens: list[int]
+    rows: list[RowUpdate]
+    started: float
+    forward_ms: float
+
+
+def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, context: torch.Tensor,
+                drafter: Drafter, dtype: torch.dtype, max_pos: int | None) -> Step:
+    """Draft, verify the draft in one forward pass, accept, keep the accepted path in ``cache``, and let the
+    drafter learn. ``context`` (L,): the sequence so far, of which ``cache`` holds all but the last token (the root).
+    """
+    started = time.perf_counter()
+    device, past_len = context.device, context.numel() - 1
+    tokens, tree = drafter.propose(context, int(context[-1]))
+    if max_pos is not None and past_len + tree.max_depth >= max_pos:
+        tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
+    if tree.parents.device != device:
+        tree = tree.to(device)
+    positions = (past_len + tree.depth.to(device))[None]
+    mask = None if _is_chain(tree) else _tree_mask(tree, past_len, dtype, device)
+    _sync(device)
+    t1 = time.perf_counter()
+    hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,
+                  use_cache=True).last_hidden_state[0]
+    logits = head(hidden)
+    _sync(device)
+    t2 = time.perf_counter()
+
+    predicted, top = greedy_and_top_k(logits, drafter.top_k)
+    path = accept(tokens, predicted, tree)
+    bonus = int(predicted[path[-1]])
+    rows = drafter.update(tokens, path, top)
+    keep_accepted_path(cache, past_len, tree.size, path)
+    new_tokens = tokens[path[1:]].tolist() + [bonus]
+    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, (t2 - t1) * 1e3)
+
+
+def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,
+              max_pos: int | None) -> tuple[list[int], str | None]:
+    """A step's ``new`` tokens cut at the first EOS (kept) or at the ``budget`` of tokens left, and why decoding
+    stops after them: "eos", "max_new_tokens", "context_full" (the sequence of ``length`` tokens before the step,
+    with the new ones, fills the model's ``max_pos`` positions), or None to go on.
+
+    >>> stop_rule([5, 2, 9], 8, {2}, 20, None)
+    ([5, 2], 'eos')
+    >>> stop_rule([5, 2, 9], 2, {9}, 20, None)
+    ([5, 2], 'max_new_tokens')
+    >>> stop_rule([5, 6], 8, set(), 62, 64)
+    ([5, 6], 'context_full')
+    >>> stop_rule([5, 6], 8, set(), 20, 64)
+    ([5, 6], None)
+    """
+    for i, tok in enumerate(new[:budget]):
+        if tok in eos_ids:
+            return new[: i + 1], "eos"
+    new = new[:budget]
+    if len(new) == budget:
+        return new, "max_new_tokens"
+    if max_pos is not None and length + len(new) >= max_pos:
+        return new, "context_full"
+    return new, None
+
+
+def step_event(step: Step, index: int, method: str, new: list[int], stop_reason: str | None, total_tokens: int,
+               text: TokenText | None) -> StepEvent:
+    """The plain-data event of verification step number ``index`` (from 0) that added ``new`` tokens. ``text`` turns
+    ids into strings (empty strings without it); it is appended to, so each step's event is built once, in order.
+    The caller fills in ``overhead_ms`` and ``elapsed_s``, which count this function's time too."""
+    new_text = text.append(new, final=stop_reason is not None) if text else ""
+    tree_tokens = step.tokens.tolist()
+    return StepEvent(
+        step=index,
+        method=method,
+        tree_name=step.tree.name,
+        tree_tokens=tree_tokens,
+        tree_parents=step.tree.parents.tolist(),
+        tree_ranks=step.tree.ranks.tolist(),
+        tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
+        predicted=step.predicted.tolist(),
+        accepted_path=step.path.tolist(),
+        bonus_token=step.bonus,
+        new_tokens=new,
+        new_text=new_text,
+        rows_updated=step.rows,
+        forward_ms=step.forward_ms,
+        total_tokens=total_tokens,
+        total_steps=index + 1,
+        finished=stop_reason is not None,
+        stop_reason=stop_reason,
+    )
+
+
 @torch.inference_mode()
 def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
            eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
@@ -118,116 +263,31 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     context is full. ``text`` turns ids into strings for the events (empty strings without it). ``head`` is the
     output layer (made once per model by the caller that decodes many prompts; see ``kernels.OutputHead``).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    max_pos = _check(model, prompt_ids, max_new_tokens)
     device, dtype = model.device, model.dtype
     if device.type == "cpu":
         grouped_query_attention_in_sdpa()  # tree steps attend to the cache without copying it (kernels.py)
-    max_pos = _max_positions(model)
-    if max_pos is not None and len(prompt_ids) >= max_pos:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
-
     base, head = body(model), head or OutputHead(model)
-    seq = torch.empty(len(prompt_ids) + max_new_tokens, dtype=torch.long, device=device)
-    seq[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
     length = len(prompt_ids)
+    seq = torch.empty(length + max_new_tokens, dtype=torch.long, device=device)
+    seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
     # room for the whole output and a large tree, so that the cache never copies itself while decoding
-    cache = new_cache(model.config, len(prompt_ids) + max_new_tokens + 128, dtype, device)
+    cache = new_cache(model.config, length + max_new_tokens + 128, dtype, device)
     started = time.perf_counter()
+    prefill(base, head, cache, seq[:length - 1], drafter)  # the cache holds all but the root
 
-    past_len = length - 1  # the cache holds all but the root
-    if past_len > 0:
-        # the prefill needs no logits, unless the drafter seeds its matrix from them
-        hidden = base(input_ids=seq[:past_len][None], cache=cache, use_cache=True).last_hidden_state[0]
-        if drafter.wants_prefill_logits:
-            # one row per distinct prompt token, at its last occurrence: what overwriting row after row in sequence
-            # order would leave, for the output layer and top-k of fewer positions, in chunks to bound the peak
-            ids = seq[:past_len]
-            last = _last_occurrences(ids)
-            for i in range(0, last.numel(), 256):
-                drafter.on_prefill(ids[last[i:i + 256]], head(hidden[last[i:i + 256]]))
-
-    generated: list[int] = []
-    steps = 0
-    stop_reason = None
+    steps, generated, stop_reason = 0, 0, None
     while stop_reason is None:
-        t0 = time.perf_counter()
-        root = int(seq[length - 1])
-        tokens, tree = drafter.propose(seq[:length], root)
-        if max_pos is not None and past_len + tree.max_depth >= max_pos:
-            tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
-        if tree.parents.device != device:
-            tree = tree.to(device)
-        positions = (past_len + tree.depth.to(device))[None]
-        mask = None if _is_chain(tree) else _tree_mask(tree, past_len, dtype, device)
-        _sync(device)
-        t1 = time.perf_counter()
-        hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,
-                      use_cache=True).last_hidden_state[0]
-        logits = head(hidden)
-        _sync(device)
-        t2 = time.perf_counter()
-
-        predicted, top = greedy_and_top_k(logits, drafter.top_k)
-        path = accept(tokens, predicted, tree)
-        bonus = int(predicted[path[-1]])
-        new = tokens[path[1:]].tolist() + [bonus]
-        budget = max_new_tokens - len(generated)
-        for i, tok in enumerate(new[:budget]):
-            if tok in eos_ids:
-                new, stop_reason = new[: i + 1], "eos"
-                break
-        else:
-            new = new[:budget]
-            if len(new) == budget:
-                stop_reason = "max_new_tokens"
-        rows = drafter.update(tokens, path, top)
-        keep_accepted_path(cache, past_len, tree.size, path)
+        step = verify_step(base, head, cache, seq[:length], drafter, dtype, max_pos)
+        new, stop_reason = stop_rule(step.new_tokens, max_new_tokens - generated, eos_ids, length, max_pos)
         seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
-        length += len(new)
-        past_len += path.numel()
-        generated.extend(new)
+        length, generated = length + len(new), generated + len(new)
+        event = step_event(step, steps, drafter.name, new, stop_reason, generated, text)
         steps += 1
-        if stop_reason is None and max_pos is not None and past_len + 1 >= max_pos:
-            stop_reason = "context_full"
-
-        new_text = text.append(new, final=stop_reason is not None) if text else ""
-        tree_tokens = tokens.tolist()
-        event = StepEvent(
-            step=steps - 1,
-            method=drafter.name,
-            tree_name=tree.name,
-            tree_tokens=tree_tokens,
-            tree_parents=tree.parents.tolist(),
-            tree_ranks=tree.ranks.tolist(),
-            tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
-            predicted=predicted.tolist(),
-            accepted_path=path.tolist(),
-            bonus_token=bonus,
-            new_tokens=new,
-            new_text=new_text,
-            rows_updated=rows,
-            forward_ms=(t2 - t1) * 1e3,
-            total_tokens=len(generated),
-            total_steps=steps,
-            finished=stop_reason is not None,
-            stop_reason=stop_reason,
-        )
-        t3 = time.perf_counter()
-        event.overhead_ms = ((t1 - t0) + (t3 - t2)) * 1e3
-        event.elapsed_s = t3 - started
+        done = time.perf_counter()
+        event.overhead_ms = (done - step.started) * 1e3 - step.forward_ms  # the step's time outside the forward
+        event.elapsed_s = done - started
         yield event
-
-
-def _last_occurrences(ids: torch.Tensor) -> torch.Tensor:
-    """Positions of the last occurrence of each distinct value, ascending: ``[5, 3, 5, 7] -> [1, 2, 3]``."""
-    n = ids.numel()
-    uniq, inverse = torch.unique(ids, return_inverse=True)
-    last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=ids.device)
-    last.scatter_reduce_(0, inverse, torch.arange(n, device=ids.device), reduce="amax")
-    return last.sort().values
 
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
