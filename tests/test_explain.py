@@ -56,7 +56,7 @@ def test_the_traces_are_small_described_and_one_prompt_hot_and_cold():
 
 
 def test_the_meta_names_every_token_the_trace_holds():
-    from tr_core.record_trace import token_ids
+    from tr_core.events import token_ids_named as token_ids
 
     for trace in (LESSON.hot, LESSON.cold):
         assert {str(t) for t in token_ids(trace.events)} == set(trace.meta["token_text"])

@@ -30,12 +30,11 @@ import torch
 from tqdm import tqdm
 
 from .calibrate import context_curve, context_weights, describe_context
-from .decoding import run
+from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
 from .kernels import mode_dtype
 from .models import encode_prompt
 from .spec_bench import load_questions, stratified
-from .text import TokenText
 
 ALL_METHODS = ("plain", "pld", "tr", "tr-paper", "tr-cold")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
@@ -64,12 +63,11 @@ class MethodRunner:
     reset_each_question: bool = False
     records: list[Record] = field(default_factory=list)
 
-    def run(self, ids: list[int], max_new_tokens: int):
-        if self.reset_each_question:
-            self.engine.matrix = self.engine.fresh_matrix()
-        e = self.engine
-        return run(e.model, ids, e.drafter(self.method), max_new_tokens, e.eos_ids, TokenText(e.tokenizer),
-                   head=e.head)
+    def run(self, ids: list[int], max_new_tokens: int, engine: Engine | None = None) -> DecodeResult:
+        """Decode one prompt on the runner's engine (or ``engine``); a cold runner starts from an empty matrix."""
+        if engine is None:
+            engine = self.engine.with_matrix(self.engine.fresh_matrix()) if self.reset_each_question else self.engine
+        return engine.generate(ids, max_new_tokens, method=self.method)
 
 
 def _sized(name: str) -> bool:
@@ -220,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = "Say hello in one short sentence."
     for r in runners:  # warm-up, on a throwaway copy of the matrix
-        saved = r.engine.matrix
-        r.engine.matrix = saved.clone()
-        r.run(base.encode(warm), 16)
-        r.engine.matrix = saved
+        r.run(base.encode(warm), 16, r.engine.with_matrix(r.engine.matrix.clone()))
 
     plain_runner = runners[0] if runners[0].name == "plain" else next(r for r in runners if r.name == "plain")
     order = [plain_runner] + [r for r in runners if r is not plain_runner]

@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .assets import TREES_DIR, hot_start_path
-from .decoding import DecodeResult, Drafter, _max_positions, decode, run
-from .drafters import PlainDrafter, PromptLookupDrafter, RecyclingDrafter
+from .decoding import DecodeResult, _max_positions, decode, run
+from .drafters import Drafter, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model

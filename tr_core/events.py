@@ -74,7 +74,7 @@ class StepEvent:
     total_steps: int = 0
     elapsed_s: float = 0.0
     finished: bool = False
-    stop_reason: str | None = None  # "eos" or "max_new_tokens" on the last event
+    stop_reason: str | None = None  # "eos", "max_new_tokens" or "context_full" on the last event
 
     @property
     def accepted_draft_tokens(self) -> int:

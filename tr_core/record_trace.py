@@ -34,7 +34,6 @@ from .calibrate import auto_tree, context_curve, machine_key, model_slug
 from .engine import Engine, EngineConfig
 from .events import StepEvent, token_ids_named
 
-token_ids = token_ids_named  # every id a trace names (the name tests/test_explain.py reads)
 
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
