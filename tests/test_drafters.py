@@ -10,7 +10,8 @@ from conftest import VOCAB, reference_greedy, tiny_model
 from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, build_tree, decode, run
 from tr_core import decoding, drafters
 from tr_core.decoding import stop_rule
-from tr_core.drafters import Drafter
+from tr_core.budget import TreeBudget
+from tr_core.drafters import AdaptiveRecyclingDrafter, Drafter, nested_trees
 
 
 def draft(context: list[int], **kwargs) -> list[int]:
@@ -81,11 +82,13 @@ def test_prompt_lookup_drafts_in_a_run_and_stays_exact(arch):
 
 def test_every_drafter_declares_what_the_loop_reads():
     recycling = RecyclingDrafter(AdjacencyMatrix(VOCAB, 5), build_tree({"": 2}), seed_from_prompt=True)
+    adaptive = AdaptiveRecyclingDrafter(AdjacencyMatrix(VOCAB, 5), nested_trees([(0,), (1,)], [1, 3]),
+                                        TreeBudget([1, 3], [10.0, 12.0], [1.0, 0.5, 0.3]))
     expected = {"plain": (PlainDrafter(), 0, False), "pld": (PromptLookupDrafter(), 0, False),
-                "tr": (recycling, 5, True)}
+                "tr": (recycling, 5, True), "tr adaptive": (adaptive, 5, False)}
     for name, (drafter, top_k, wants) in expected.items():
-        assert (drafter.name, drafter.top_k, drafter.wants_prefill_logits) == (name, top_k, wants)
-        for method in ("propose", "update", "on_prefill"):
+        assert (drafter.name, drafter.top_k, drafter.wants_prefill_logits) == (name.split()[0], top_k, wants)
+        for method in ("propose", "update", "on_prefill", "observe", "budget_report"):
             assert (list(inspect.signature(getattr(drafter, method)).parameters)
                     == list(inspect.signature(getattr(Drafter, method)).parameters)[1:]), f"{name}.{method}"
 
@@ -110,6 +113,53 @@ def test_the_loop_calls_update_with_each_nodes_top_k(top_k):
             assert top is None
         else:
             assert top.shape == (tokens.numel(), top_k) and top[:, 0].tolist() == e.predicted
+
+
+def test_the_loop_gives_every_drafter_the_forward_time_and_asks_for_its_budget():
+    calls = []
+
+    class Recording(PromptLookupDrafter):
+        def update(self, tokens, path, top):
+            calls.append("update")
+            return []
+
+        def observe(self, forward_ms):
+            calls.append(forward_ms)
+
+        def budget_report(self):
+            calls.append("report")
+            return 7, {"sizes": [len(calls)]}
+
+    model = tiny_model("llama", vocab=16)
+    events = list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, Recording(), 24))
+    assert calls == [x for e in events for x in ("report", "update", e.forward_ms)]  # in this order, once a step
+    assert all(e.budget == 7 and e.budget_estimates == {"sizes": [3 * e.step + 1]} for e in events)
+    # drafters without a budget report none
+    for e in decode(model, [1, 2, 3] * 3, PromptLookupDrafter(), 8):
+        assert e.budget is None and e.budget_estimates == {}
+
+
+def test_the_adaptive_drafter_drafts_the_size_its_budget_chose_and_teaches_it():
+    order = [(0,), (1,), (0, 0), (2,)]
+    nested = nested_trees(order, [1, 3, 5])
+    budget = TreeBudget([1, 3, 5], [10.0, 10.0, 10.0], [1.0, 0.5, 0.5, 0.4, 0.4], explore_every=2,
+                        acceptance_rate=0.5)
+    drafter = AdaptiveRecyclingDrafter(AdjacencyMatrix(VOCAB, 3), nested, budget)
+    tokens, tree = drafter.propose(torch.tensor([4, 5]), 5)
+    assert tree is drafter.nested.trees[2] and tokens.numel() == 5 and drafter.budget_report()[0] == 4
+    # the accepted path root -> (0,) -> (0, 0): in BFS order nodes 0, 1, 3; likeliest first positions 1 and 3
+    assert tree.node_paths == ((), (0,), (1,), (2,), (0, 0))
+    drafter.update(tokens, torch.tensor([0, 1, 4]), torch.zeros(5, 3, dtype=torch.long))
+    assert budget.acceptance == [1.0, 0.75, 0.25, 0.7, 0.2]
+    drafter.observe(20.0)
+    assert budget.speed > 1  # the step took twice the calibrated time
+    tokens, tree = drafter.propose(torch.tensor([4, 5]), 5)  # step 2 explores the size below
+    assert tree is drafter.nested.trees[1] and drafter.budget_report()[1]["explored"]
+    # near the context's end the loop verifies the root alone: nothing is learned from that step
+    drafter.update(tokens[:1], torch.tensor([0]), torch.zeros(1, 3, dtype=torch.long))
+    before = (budget.speed, list(budget.correction))
+    drafter.observe(99.0)
+    assert (budget.speed, budget.correction) == before
 
 
 def test_stop_rule():

@@ -84,6 +84,23 @@ def test_events_survive_a_json_round_trip():
     assert all(isinstance(r.old, list) and len(r.new) == 8 for r in events[0].rows_updated)
 
 
+def test_budget_fields_survive_a_json_round_trip_and_old_traces_still_load():
+    from tr_core.budget import TreeBudget
+    from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
+
+    model = tiny_model("llama", seed=3)
+    nested = nested_trees([(0,), (1,), (0, 0)], [1, 2, 4])
+    budget = TreeBudget([1, 2, 4], [10.0, 11.0, 12.0], [1.0, 0.6, 0.3, 0.3], explore_every=3)
+    events = list(decode(model, PROMPT, AdaptiveRecyclingDrafter(distinct_matrix(8), nested, budget), 16))
+    for e in events:
+        assert e.budget == len(e.tree_tokens) - 1 and e.budget_estimates["sizes"] == [0, 1, 3]
+        assert StepEvent.from_dict(json.loads(json.dumps(e.to_dict()))) == e
+    old = events[0].to_dict()
+    del old["budget"], old["budget_estimates"]  # a trace recorded before the budget existed
+    back = StepEvent.from_dict(old)
+    assert back.budget is None and back.budget_estimates == {} and back.tree_tokens == events[0].tree_tokens
+
+
 def test_prompt_seeding_fills_each_distinct_prompt_token_once_from_its_last_occurrence():
     from tr_core.decoding import _last_occurrences
     assert _last_occurrences(torch.tensor([5, 3, 5, 7])).tolist() == [1, 2, 3]
@@ -137,3 +154,41 @@ def test_accept_takes_the_longest_agreeing_path_and_the_first_on_a_tie():
     twice = torch.tensor([5, 6, 6, 8, 9])
     assert accept(twice, torch.tensor([6, 0, 0, 0, 0]), tree).tolist() == [0, 1]
     assert accept(tokens[:1], torch.tensor([6]), build_tree([])).tolist() == [0]
+
+
+def test_the_auto_tree_adapts_and_the_engine_keeps_its_budget(monkeypatch, tmp_path, tiny_folder):
+    """"auto" with acceptance statistics -> the adaptive drafter, started at the fitted size; "auto-N" stays fixed.
+    Engines of one config share the budget; another config gets its own."""
+    from tr_core import engine as engine_module, load_template
+    from tr_core.calibrate import fit_tree
+    from tr_core.drafters import AdaptiveRecyclingDrafter
+    from tr_core.engine import Engine, EngineConfig
+
+    paper = load_template("paper")
+    acc = [1.0] * paper.size  # a child never likelier than its parent
+    for i in range(1, paper.size):
+        acc[i] = acc[int(paper.parents[i])] * 0.6 / (1 + int(paper.ranks[i]))
+    (tmp_path / "stats.json").write_text(json.dumps({"node_paths": [list(p) for p in paper.node_paths],
+                                                     "acceptance": acc}))
+    curve = {1: 10.0, 4: 11.0, 8: 14.0, 16: 24.0, 81: 120.0}
+
+    def auto_tree(model, size=None, context=None):
+        return fit_tree(paper, acc, curve, name="auto" if size is None else f"auto-{size}", size=size)
+
+    monkeypatch.setattr(engine_module, "has_acceptance_stats", lambda model: True)
+    monkeypatch.setattr(engine_module, "auto_tree", auto_tree)
+    monkeypatch.setattr(engine_module, "acceptance_path", lambda slug: tmp_path / "stats.json")
+    folder, _, _ = tiny_folder
+    engine = Engine.load(str(folder), EngineConfig(method="tr", tree="auto", matrix_path=None))
+    fitted = engine.fitted.tree.size
+    assert engine.budget.sizes[engine.budget.best] == fitted and fitted in engine.nested.sizes
+    assert engine.budget.calibrated[engine.budget.sizes.index(4)] == 11.0
+    assert isinstance(engine.drafter(), AdaptiveRecyclingDrafter)
+    run = engine.with_matrix(engine.fresh_matrix())
+    assert run.budget is engine.budget and engine.with_config().budget is engine.budget
+    assert engine.with_config(seed_from_prompt=False).budget is not engine.budget
+    result = run.generate([5, 6, 7, 8], 12)
+    assert result.events[0].budget == fitted - 1 and engine.budget.steps == result.steps
+    fixed = engine.with_config(tree="auto-4")
+    assert fixed.budget is None and type(fixed.drafter()).__name__ == "RecyclingDrafter" and fixed.tree.size == 4
+    assert all(e.budget is None and len(e.tree_tokens) == 4 for e in fixed.generate([5, 6, 7, 8], 6).events)

@@ -5,6 +5,8 @@ import torch
 
 from conftest import VOCAB, reference_greedy
 from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, load_template, run
+from tr_core.budget import TreeBudget, candidate_sizes
+from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
 
 N_PROMPTS, NEW_TOKENS = 20, 64
 
@@ -112,3 +114,42 @@ def test_context_limit_is_respected():
     assert result.token_ids == reference_greedy(model, prompt, len(result.token_ids))
     with pytest.raises(ValueError, match="at most 59"):
         run(model, list(range(60)), PlainDrafter(), 4)
+
+
+class StubTimed(AdaptiveRecyclingDrafter):
+    """An adaptive drafter whose budget sees simulated step times (ms) instead of the tiny model's: until step 40
+    large trees are dear, then cheap, so the size changes during the run whatever the machine."""
+
+    def observe(self, forward_ms):
+        n, step = self.tree.size, self.budget.steps
+        super().observe(10 + (2.0 if step < 40 else 0.02) * n)
+
+
+def adaptive_drafter(matrix, explore_every=3):
+    paper = load_template("paper")  # its nodes in BFS order stand for likeliest first here
+    sizes = candidate_sizes(paper.size)
+    acceptance = [1.0] + [0.7 ** len(p) for p in paper.node_paths[1:]]
+    budget = TreeBudget(sizes, [10.0 + 0.5 * n for n in sizes], acceptance, explore_every=explore_every)
+    return StubTimed(matrix, nested_trees(list(paper.node_paths[1:]), sizes), budget)
+
+
+def test_a_tree_that_changes_size_during_the_run_stays_exact(tiny):
+    arch, model = tiny
+    matrix, budgets = AdjacencyMatrix(VOCAB, 8), set()
+    drafter = adaptive_drafter(matrix)
+    for prompt in prompts(seed=11)[:4]:
+        ref = reference_greedy(model, prompt, NEW_TOKENS)
+        result = run(model, prompt, drafter, NEW_TOKENS)  # one budget and matrix across prompts: hot start
+        assert result.token_ids == ref, f"{arch}: the adaptive tree differs from plain greedy decoding"
+        for e in result.events:
+            assert e.budget == len(e.tree_tokens) - 1 and e.method == "tr"
+            assert e.budget_estimates["explored"] == (e.budget != e.budget_estimates["best"])
+        budgets.update(e.budget for e in result.events)
+    assert len(budgets) >= 4, f"the size hardly changed: {sorted(budgets)}"
+    # with an oracle matrix (frozen), long paths are accepted in trees of changing size, and stay exact
+    prompt = prompts(seed=7)[0]
+    ref = reference_greedy(model, prompt, NEW_TOKENS)
+    drafter = adaptive_drafter(oracle_matrix(model, prompt, ref), explore_every=2)
+    drafter.update = lambda tokens, path, top: []
+    result = run(model, prompt, drafter, NEW_TOKENS)
+    assert result.token_ids == ref and max(len(e.accepted_path) for e in result.events) > 3

@@ -6,7 +6,8 @@ The KV cache always holds every token but the last one, the *root*. Each step:
    the context, its ancestors and itself, and position ids = context length + depth;
 3. the longest root-to-leaf path whose tokens equal the model's greedy choice at their parent is accepted, plus the
    bonus token (the model's choice after the path's last node);
-4. the cache keeps only the accepted path; the drafter learns from the step (each node's top-k next tokens);
+4. the cache keeps only the accepted path; the drafter learns from the step (each node's top-k next tokens, and
+   the forward's time, from which a tree budget learns step times);
 5. an event is yielded. The bonus token becomes the next root.
 
 In code: ``prefill`` (the prompt into the cache), ``verify_step`` (steps 1-4), ``stop_rule`` (EOS, budget, context),
@@ -154,7 +155,7 @@ class Step:
     choice after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the ``bonus`` token,
     ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows`` the drafter
     rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass and
-    output layer alone)."""
+    output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step."""
 
     tokens: torch.Tensor
     tree: TreeBuffers
@@ -165,6 +166,8 @@ class Step:
     rows: list[RowUpdate]
     started: float
     forward_ms: float
+    budget: int | None = None
+    budget_estimates: dict = field(default_factory=dict)
 
 
 def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, context: torch.Tensor,
@@ -175,6 +178,7 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     started = time.perf_counter()
     device, past_len = context.device, context.numel() - 1
     tokens, tree = drafter.propose(context, int(context[-1]))
+    budget, estimates = drafter.budget_report()
     if max_pos is not None and past_len + tree.max_depth >= max_pos:
         tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
     if tree.parents.device != device:
@@ -193,9 +197,11 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     path = accept(tokens, predicted, tree)
     bonus = int(predicted[path[-1]])
     rows = drafter.update(tokens, path, top)
+    forward_ms = (t2 - t1) * 1e3
+    drafter.observe(forward_ms)
     keep_accepted_path(cache, past_len, tree.size, path)
     new_tokens = tokens[path[1:]].tolist() + [bonus]
-    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, (t2 - t1) * 1e3)
+    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, budget, estimates)
 
 
 def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,
@@ -246,6 +252,8 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
         new_text=new_text,
         rows_updated=step.rows,
         forward_ms=step.forward_ms,
+        budget=step.budget,
+        budget_estimates=step.budget_estimates,
         total_tokens=total_tokens,
         total_steps=index + 1,
         finished=stop_reason is not None,

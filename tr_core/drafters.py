@@ -2,26 +2,30 @@
 (``decoding.decode``), which calls them only through the ``Drafter`` protocol below.
 
 Plain decoding proposes the root alone; Prompt Lookup a chain copied from an earlier n-gram match; Token Recycling
-a tree retrieved from its adjacency matrix.
+a tree retrieved from its adjacency matrix, of a fixed template or, with a tree budget (``budget.TreeBudget``), of
+the N likeliest nodes for the N the budget chooses each step.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
+from .budget import TreeBudget
 from .events import RowUpdate
 from .matrix import AdjacencyMatrix
-from .tree import TreeBuffers, chain_tree
+from .tree import Path_, TreeBuffers, build_tree, chain_tree
 
 
 class Drafter(Protocol):
     """What the decoding loop asks of a drafter, as in transformers' candidate generators (``get_candidates``,
     ``update_candidate_strategy``), plus a hook for the prompt.
 
-    Each step the loop calls ``propose``, verifies the draft in one forward pass, then calls ``update`` once, always
-    as ``update(tokens, path, top)``. ``n`` is the tree's node count, ``V`` the vocabulary size.
+    Each step the loop calls ``propose``, then ``budget_report``, verifies the draft in one forward pass, then calls
+    ``update`` once, always as ``update(tokens, path, top)``, then ``observe(forward_ms)``. ``n`` is the tree's node
+    count, ``V`` the vocabulary size.
 
     - ``name``: the method's name in events ("plain", "pld", "tr").
     - ``top_k``: how many of each node's best next tokens ``update`` wants (0: none; ``top`` is then None).
@@ -32,6 +36,10 @@ class Drafter(Protocol):
     - ``update(tokens, path, top)``: learn from the verified step. ``tokens`` (n,) as proposed; ``path`` (a + 1,)
       int64, the accepted path's node indices, root first; ``top`` (n, top_k) int64, each node's best next tokens,
       best first (None when ``top_k`` is 0). Returns the adjacency-matrix rows it rewrote (empty: none).
+    - ``observe(forward_ms)``: the step's measured forward pass and output layer, in ms (what a tree budget learns
+      step times from; the others ignore it).
+    - ``budget_report()``: the draft nodes a tree budget chose for the step just proposed and the estimates it chose
+      from (``TreeBudget.estimates``), or ``(None, {})`` for a drafter without one.
     - ``on_prefill(ids, logits)``: called only when ``wants_prefill_logits``, in chunks, with ``ids`` (m,) distinct
       prompt tokens in sequence order and ``logits`` (m, V), the next-token logits at each one's last occurrence.
     """
@@ -45,6 +53,10 @@ class Drafter(Protocol):
     def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]: ...
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
+
+    def observe(self, forward_ms: float) -> None: ...
+
+    def budget_report(self) -> tuple[int | None, dict]: ...
 
 
 class PlainDrafter:
@@ -62,6 +74,12 @@ class PlainDrafter:
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
         pass
+
+    def observe(self, forward_ms: float) -> None:
+        pass
+
+    def budget_report(self) -> tuple[int | None, dict]:
+        return None, {}
 
 
 class PromptLookupDrafter(PlainDrafter):
@@ -126,3 +144,65 @@ class RecyclingDrafter(PlainDrafter):
         if self.seed_from_prompt:
             self.matrix.seed(ids, logits)
 
+
+
+@dataclass(frozen=True)
+class NestedTrees:
+    """The trees of a tree budget, built once: ``trees[i]`` holds the ``sizes[i]`` likeliest nodes (root
+    included), and ``positions[i][node]`` is each of its nodes' place in the likeliest-first order (root 0)."""
+
+    sizes: tuple[int, ...]
+    trees: tuple[TreeBuffers, ...]
+    positions: tuple[tuple[int, ...], ...]
+
+    def to(self, device: torch.device | str) -> "NestedTrees":
+        return NestedTrees(self.sizes, tuple(t.to(device) for t in self.trees), self.positions)
+
+
+def nested_trees(order: Sequence[Path_], sizes: Sequence[int], name: str = "auto") -> NestedTrees:
+    """One tree per size from ``order``, the draft nodes' index paths likeliest first (each prefix a tree).
+
+    >>> nested = nested_trees([(1,), (0,), (1, 0)], [1, 2, 4])
+    >>> [t.node_paths for t in nested.trees], nested.positions[-1]
+    ([((),), ((), (1,)), ((), (0,), (1,), (1, 0))], (0, 2, 1, 3))
+    """
+    place = {tuple(p): j for j, p in enumerate(order, start=1)}
+    place[()] = 0
+    trees = tuple(build_tree([tuple(p) for p in order[:n - 1]], name=name) for n in sizes)
+    positions = tuple(tuple(place[p] for p in t.node_paths) for t in trees)
+    return NestedTrees(tuple(sizes), trees, positions)
+
+
+class AdaptiveRecyclingDrafter(RecyclingDrafter):
+    """Token Recycling with a tree budget: each step drafts the N likeliest nodes for the N that ``budget``
+    chooses (one of ``nested``'s prebuilt trees), and teaches the budget which of them were accepted and how long
+    the step's forward took. The budget is shared, not copied: it learns across the runs of whoever holds it."""
+
+    def __init__(self, matrix: AdjacencyMatrix, nested: NestedTrees, budget: TreeBudget,
+                 seed_from_prompt: bool = False):
+        if tuple(nested.sizes) != budget.sizes:
+            raise ValueError(f"the budget's sizes {budget.sizes} are not the trees' {nested.sizes}")
+        super().__init__(matrix, nested.trees[-1], seed_from_prompt)
+        self.nested, self.budget = nested.to(matrix.rows.device), budget
+        self._index = {n: i for i, n in enumerate(nested.sizes)}
+        self._positions: tuple[int, ...] = ()
+        self._timed = False  # whether the step verified the tree proposed (not a root cut near the context's end)
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        i = self._index[self.budget.choose()]
+        self.tree, self._positions = self.nested.trees[i], self.nested.positions[i]
+        return self.matrix.retrieve(root, self.tree), self.tree
+
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
+        rows = super().update(tokens, path, top)
+        self._timed = tokens.numel() == self.tree.size
+        if self._timed:
+            self.budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+        return rows
+
+    def observe(self, forward_ms: float) -> None:
+        if self._timed:
+            self.budget.observe_time(forward_ms)
+
+    def budget_report(self) -> tuple[int | None, dict]:
+        return self.tree.size - 1, self.budget.estimates()

@@ -3,20 +3,29 @@
     engine = Engine.load(None, EngineConfig(method="tr", tree="paper"))
     result = engine.generate("Tell me a story.", max_new_tokens=64)
     for event in engine.stream("Another one.", 64): ...   # the matrix learned above is used here: hot start
+
+On the "auto" tree (with the model's acceptance statistics) Token Recycling drafts with a tree budget
+(``budget.TreeBudget``), started from the fitted tree's size and the calibrated t(N), which the engine keeps across
+requests as it keeps the matrix: engines made by ``with_matrix``, and by ``with_config`` with an unchanged config,
+share it (they run the same settings on the same model and machine, so each run teaches it step times and node
+acceptance by position in the tree; it holds no token); any other config starts a fresh one (``fresh_budget``).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .assets import TREES_DIR, hot_start_path
+from .assets import TREES_DIR, acceptance_path, hot_start_path
+from .budget import TreeBudget, candidate_sizes, likeliest_first
 from .decoding import DecodeResult, _max_positions, decode, run
-from .drafters import Drafter, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
+from .drafters import AdaptiveRecyclingDrafter, Drafter, NestedTrees, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
+from .drafters import nested_trees
 from .events import StepEvent
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
@@ -34,8 +43,8 @@ FALLBACK_TREE = "small"
 @dataclass(frozen=True)
 class EngineConfig:
     method: str = "tr"
-    tree: str = "auto"  # Token Recycling: "auto" (fitted to this machine), "auto-N" (the N likeliest nodes),
-    #                     a template name or a .json file
+    tree: str = "auto"  # Token Recycling: "auto" (the N likeliest nodes, N adapted online from the fitted size),
+    #                     "auto-N" (the N likeliest nodes, fixed), a template name or a .json file
     top_k: int = 8  # Token Recycling: candidates per matrix row
     matrix_path: str | None = None  # Token Recycling: hot-start file; None = cold start
     seed_from_prompt: bool = True  # Token Recycling: fill rows from the prompt's prefill logits
@@ -67,6 +76,15 @@ def check_ranks(tree: TreeBuffers, top_k: int) -> None:
                          f"{tree.max_rank + 1}; top_k is {top_k}")
 
 
+def _nested_for(model: PreTrainedModel, fitted: FittedTree) -> NestedTrees:
+    """The trees an "auto" budget chooses among: the candidate sizes (with the fitted size) of the shipped
+    statistics' nodes, likeliest first, as ``fit_tree`` orders them."""
+    stats = json.loads(acceptance_path(model_slug(model)).read_text())
+    order = likeliest_first(stats["acceptance"])
+    paths = [tuple(stats["node_paths"][i]) for i in order[1:]]
+    return nested_trees(paths, candidate_sizes(len(order), include=[fitted.tree.size]))
+
+
 def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedTree | None, TreeBuffers]:
     """The tree a config asks for. "auto" needs the model's shipped acceptance statistics; a model without them
     (any other hub model) falls back to the "small" template."""
@@ -95,6 +113,8 @@ class Engine:
         self.head = OutputHead(model)
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
+        self.nested = _nested_for(model, self.fitted) if self.adaptive else None
+        self.budget = self.fresh_budget()
         self.matrix = self.fresh_matrix()
 
     @classmethod
@@ -107,6 +127,23 @@ class Engine:
     def context_length(self) -> int | None:
         """The most positions the model takes, prompt and answer together (``None`` if its config does not say)."""
         return _max_positions(self.model)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether Token Recycling's tree size adapts online: the "auto" tree of a model with acceptance
+        statistics."""
+        return self.config.tree == AUTO and self.fitted is not None
+
+    def fresh_budget(self) -> TreeBudget | None:
+        """A tree budget started from the fitted tree's size, the calibrated t(N) and the shipped acceptance (in
+        the fitted table's likeliest-first order); None where the tree does not adapt."""
+        if not self.adaptive:
+            return None
+        table = self.fitted.table  # row n - 1: the n likeliest nodes
+        expected = [row["expected_accepted"] for row in table]
+        acceptance = [1.0] + [b - a for a, b in zip(expected, expected[1:])]
+        sizes = self.nested.sizes
+        return TreeBudget(sizes, [table[n - 1]["step_ms"] for n in sizes], acceptance, start=self.fitted.tree.size)
 
     def fresh_matrix(self) -> AdjacencyMatrix:
         """The starting matrix: the hot-start file if the config names one, else an empty (cold) matrix."""
@@ -121,8 +158,9 @@ class Engine:
         return str(path) if path.is_file() else None
 
     def with_config(self, **changes) -> "Engine":
-        """Another engine on the same loaded model with some settings changed (and its own matrix). The mode is the
-        loaded model's dtype: changing it needs a new ``Engine.load``."""
+        """Another engine on the same loaded model with some settings changed (and its own matrix; the same tree
+        budget where the config is unchanged, else a fresh one). The mode is the loaded model's dtype: changing it
+        needs a new ``Engine.load``."""
         if "mode" in changes and changes["mode"] != self.config.mode:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
@@ -134,15 +172,19 @@ class Engine:
         engine.config = config
         if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
                                                                self.config.fit_context):
-            engine.fitted, engine.tree = self.fitted, self.tree  # no need to fit or load the tree again
+            engine.fitted, engine.tree, engine.nested = self.fitted, self.tree, self.nested  # no need to fit again
         else:
             engine.fitted, engine.tree = _resolve_tree(self.model, config)
+            engine.nested = _nested_for(self.model, engine.fitted) if engine.adaptive else None
+        # the same settings share the budget: each run teaches it (see the module docstring)
+        engine.budget = self.budget if config == self.config else engine.fresh_budget()
         engine.matrix = engine.fresh_matrix()
         return engine
 
     def with_matrix(self, matrix: AdjacencyMatrix) -> "Engine":
         """Another engine on the same model and settings that drafts from (and teaches) ``matrix``: a user's own
-        matrix, or a copy of it for a measurement."""
+        matrix, or a copy of it for a measurement. It shares this engine's tree budget (``copy.copy``): a run
+        teaches the budget of the settings it ran."""
         if (matrix.vocab_size, matrix.k) != (self.vocab_size, self.config.top_k):
             raise ValueError(f"a matrix of {matrix.vocab_size} x {matrix.k} does not fit this engine's "
                              f"{self.vocab_size} x {self.config.top_k}")
@@ -156,6 +198,8 @@ class Engine:
             return PlainDrafter()
         if method == "pld":
             return PromptLookupDrafter(self.config.pld_max_ngram, 1, self.config.pld_max_draft)
+        if method == "tr" and self.budget is not None:
+            return AdaptiveRecyclingDrafter(self.matrix, self.nested, self.budget, self.config.seed_from_prompt)
         if method == "tr":
             return RecyclingDrafter(self.matrix, self.tree, self.config.seed_from_prompt)
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

@@ -52,6 +52,12 @@ class StepEvent:
     KV cache). ``predicted[i]`` is the model's greedy next token after node ``i``. The accepted path lists node
     indices from the root; the new tokens are the accepted draft tokens followed by the bonus token, cut at EOS or
     at the ``max_new_tokens`` budget.
+
+    With a tree budget (``tr`` on the ``auto`` tree), ``budget`` is the number of draft nodes (root not counted)
+    chosen for this step, and ``budget_estimates`` what it was chosen from (``budget.TreeBudget.estimates``):
+    ``{"sizes": [draft nodes, ...], "step_ms": [...], "expected_tokens": [per step, bonus included], "tokens_per_s":
+    [...], "best": draft nodes with the most expected tokens/s, "explored": bool (this step tries a neighbour of
+    "best" instead), "speed": the machine-speed factor against the calibration}``. Without one: None and {}.
     """
 
     step: int
@@ -69,6 +75,8 @@ class StepEvent:
     rows_updated: list[RowUpdate] = field(default_factory=list)
     forward_ms: float = 0.0
     overhead_ms: float = 0.0
+    budget: int | None = None
+    budget_estimates: dict = field(default_factory=dict)
     # running counters, after this step
     total_tokens: int = 0
     total_steps: int = 0
