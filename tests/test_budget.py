@@ -169,3 +169,48 @@ def test_bad_budgets_are_refused():
         TreeBudget([1, 2], [1.0], [1.0, 0.5])
     with pytest.raises(ValueError, match="acceptance covers"):
         TreeBudget([1, 4], [1.0, 2.0], [1.0, 0.5])
+
+
+# --- the figure ------------------------------------------------------------------------------------------------------
+
+def budget_event(step: int, budget: TreeBudget):
+    """A step event carrying the budget's choice, as the decoding loop builds it (the tree itself left out)."""
+    from tr_core.events import StepEvent
+
+    n = budget.choose()
+    return StepEvent(step=step, method="tr", tree_name="auto", tree_tokens=[1] * n, tree_parents=[-1] * n,
+                     tree_ranks=[0] * n, tree_text=[""] * n, predicted=[0] * n, accepted_path=[0], bonus_token=0,
+                     new_tokens=[0], new_text="", budget=n - 1, budget_estimates=budget.estimates())
+
+
+def test_the_budget_figure_holds_the_estimates_and_marks_the_choice():
+    from visualize import budget_figure
+    from visualize.budget_fig import BEST, CHOSEN, EXPLORED
+
+    budget = budget_on(mid, explore_every=2)
+    event = budget_event(12, budget)
+    est = event.budget_estimates
+    fig = budget_figure(event)
+    line, chosen = fig.data
+    assert list(line.x) == est["sizes"] and list(line.y) == est["tokens_per_s"]
+    assert [tuple(c) for c in line.customdata] == list(zip(est["step_ms"], est["expected_tokens"]))
+    best = max(range(len(line.y)), key=lambda i: line.y[i])
+    assert chosen.name == CHOSEN and list(chosen.x) == [line.x[best]] == [event.budget]
+    assert fig.layout.title.text == (f"step 12: {event.budget} draft nodes, the most expected tokens/s "
+                                     f"({max(line.y):.1f}) at the step times measured so far")
+    explored = budget_event(13, budget)  # every second step tries the neighbour above
+    line, best_mark, tried = budget_figure(explored).data
+    assert (best_mark.name, tried.name) == (BEST, EXPLORED) and best_mark.marker.symbol != tried.marker.symbol
+    assert list(best_mark.x) == [event.budget] and list(tried.x) == [explored.budget] != [event.budget]
+    assert list(tried.y) == [line.y[list(line.x).index(explored.budget)]]
+    assert "tried beside the best" in budget_figure(explored).layout.title.text
+
+
+def test_the_budget_figure_of_a_step_without_a_budget_says_so():
+    from tr_core.events import StepEvent
+    from visualize import budget_figure
+
+    event = StepEvent(step=3, method="pld", tree_name="chain", tree_tokens=[1], tree_parents=[-1], tree_ranks=[0],
+                      tree_text=[""], predicted=[2], accepted_path=[0], bonus_token=2, new_tokens=[2], new_text="")
+    fig = budget_figure(event)
+    assert not fig.data and fig.layout.title.text.startswith("step 3: no tree budget")

@@ -10,6 +10,7 @@ Every figure function that names tokens takes an optional ``token_text(id) -> st
 without it, names come from the trace itself (``token_text_map``), ``"#<id>"`` when the trace never decoded one.
 """
 
+from .budget_fig import budget_figure, budget_title
 from .charts import accepted_length_figure, accepted_lengths, race_figure, speedup_figure, tree_size_figure
 from .mask_fig import ancestor_mask, mask_figure
 from .matrix_fig import matrix_figure, shown_rows
@@ -18,7 +19,7 @@ from .tree_fig import step_traces, tree_animation, tree_figure
 from .tree_layout import node_roles, tree_layout
 
 __all__ = [
-    "accepted_length_figure", "accepted_lengths", "ancestor_mask", "label", "load_trace", "mask_figure",
+    "accepted_length_figure", "accepted_lengths", "ancestor_mask", "budget_figure", "budget_title", "label", "load_trace", "mask_figure",
     "matrix_figure", "node_roles", "race_figure", "shown_rows", "speedup_figure", "step_traces", "text_lookup",
     "token_text_map", "tree_animation", "tree_figure", "tree_layout", "tree_size_figure", "visible",
 ]

@@ -1,0 +1,73 @@
+"""The tree budget of one step: expected tokens per second against tree size, as the budget saw them.
+
+    budget_figure(event)    the estimates of ``event.budget_estimates``, the step's size marked
+
+A step of ``tr`` on the ``auto`` tree carries the estimates its size was chosen from (``tr_core.budget``): for every
+candidate size (draft nodes, the root not counted), the expected step time and tokens per step, hence tokens per
+second. The budget runs the size with the most expected tokens per second, or now and then a neighbour of it, to
+keep that neighbour's estimate fresh.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import plotly.graph_objects as go
+
+from .palette import BLUE, GREY, ORANGE
+
+if TYPE_CHECKING:
+    from tr_core.events import StepEvent
+
+CHOSEN = "chosen: the most expected tokens/s"
+BEST = "the most expected tokens/s"
+EXPLORED = "explored: a neighbour, to keep its estimate fresh"
+
+
+def budget_title(event: StepEvent) -> str:
+    """Why the step drafted the nodes it did, e.g. ``"step 12: 6 draft nodes, the most expected tokens/s (31.2) at
+    the step times measured so far"``."""
+    est = event.budget_estimates
+    if event.budget is None or not est:
+        return f"step {event.step}: no tree budget (only Token Recycling on the auto tree adapts its size)"
+    rates = dict(zip(est["sizes"], est["tokens_per_s"]))
+    if not est["explored"]:
+        return (f"step {event.step}: {event.budget} draft nodes, the most expected tokens/s "
+                f"({rates[event.budget]:.1f}) at the step times measured so far")
+    return (f"step {event.step}: {event.budget} draft nodes, tried beside the best ({est['best']} nodes, "
+            f"{rates[est['best']]:.1f} tokens/s) to keep its estimate fresh")
+
+
+def budget_figure(event: StepEvent) -> go.Figure:
+    """Expected tokens per second against draft nodes from ``event.budget_estimates``: one line over the candidate
+    sizes, the step's size marked (a star where it is the best, a diamond where it was explored, the best then an
+    open circle). An event without a budget gives an empty chart that says so."""
+    fig = go.Figure()
+    est = event.budget_estimates
+    if event.budget is not None and est:
+        sizes, rates = est["sizes"], est["tokens_per_s"]
+        info = list(zip(est["step_ms"], est["expected_tokens"]))
+        hover = "%{x} draft nodes: %{y:.1f} tokens/s<br>step %{customdata[0]:.1f} ms, " \
+                "%{customdata[1]:.2f} tokens a step<extra></extra>"
+        fig.add_trace(go.Scatter(x=sizes, y=rates, mode="lines+markers", name="expected tokens/s",
+                                 line=dict(color=GREY, width=2), marker=dict(color=GREY, size=7),
+                                 customdata=info, hovertemplate=hover))
+
+        def mark(size: int, name: str, colour: str, symbol: str, marker_size: int) -> None:
+            i = sizes.index(size)
+            fig.add_trace(go.Scatter(x=[size], y=[rates[i]], mode="markers", name=name, customdata=[info[i]],
+                                     marker=dict(color=colour, symbol=symbol, size=marker_size,
+                                                 line=dict(color=colour, width=2)), hovertemplate=hover))
+
+        if est["explored"]:
+            mark(est["best"], BEST, BLUE, "circle-open", 14)
+            mark(event.budget, EXPLORED, ORANGE, "diamond", 14)
+        else:
+            mark(event.budget, CHOSEN, BLUE, "star", 18)
+    fig.update_layout(title=budget_title(event), xaxis_title="draft nodes (tree size, root not counted)",
+                      yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
+                      xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
+                      yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
+                      margin=dict(l=60, r=20, t=80, b=50))
+    return fig
