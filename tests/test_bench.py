@@ -1,12 +1,27 @@
 """The benchmark command end to end on a tiny model and a small question file, then its charts (benchmark.py)."""
 
+import copy
 import json
 
 import pytest
 
 import benchmark
 from tr_core import bench
-from tr_core.bench import main, question_contexts
+from tr_core.bench import (MethodRunner, Record, bootstrap_median_interval, compare, main, measure_question,
+                           median_round, pairwise, predicted_vs_measured, prediction_table, question_contexts,
+                           round_orders, verdict)
+from tr_core.decoding import DecodeResult
+
+# The keys of results.json as the benchmark wrote them before it measured in rounds (a run of that code on the tiny
+# model of test_bench_writes_tables_and_results): every one must stay, with its meaning.
+OLD_TOP_KEYS = {"config", "methods"}
+OLD_CONFIG_KEYS = {"compiled", "dtype", "fit_context", "fitted_tree", "hot_start", "hot_start_carried_across_questions",
+                   "load_average_after", "load_average_before", "max_new_tokens", "mode", "mode_note", "model",
+                   "per_category", "questions", "seconds", "t_n_ms", "threads"}
+OLD_CATEGORY_KEYS = {"forward_ms_per_step", "identical", "mean_accepted_tokens", "outside_steps_s_per_question",
+                     "overhead_ms_per_step", "questions", "speedup", "step_ms_per_token", "tokens_per_s"}
+OLD_METHOD_KEYS = OLD_CATEGORY_KEYS | {"accepted_length_histogram", "by_category", "first_differences"}
+NEW_KEYS = {"speedup_median", "speedup_ci95", "verdict"}  # overall and in each category
 
 
 def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
@@ -17,7 +32,7 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     questions.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out"
     assert main(["--model", str(folder), "--questions", str(questions), "--per-category", "2",
-                 "--max-new-tokens", "12", "--methods", "pld,tr,tr-paper,tr-cold", "--out", str(out)]) == 0
+                 "--max-new-tokens", "12", "--rounds", "2", "--methods", "pld,tr,tr-paper,tr-cold", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"plain", "pld", "tr", "tr-paper", "tr-cold"}
@@ -26,6 +41,19 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
         assert m["questions"] == 4 and set(m["by_category"]) == {"qa", "translation", "mt_bench"}
         assert m["identical"] == 4  # float32 tiny model: every output equals plain's here
     assert results["methods"]["plain"]["speedup"] == 1.0
+    # the keys results.json had before the rounds are all there still, with the new ones beside them
+    assert OLD_TOP_KEYS <= set(results) and OLD_CONFIG_KEYS <= set(results["config"])
+    for m in results["methods"].values():
+        assert OLD_METHOD_KEYS | NEW_KEYS <= set(m)
+        assert all(OLD_CATEGORY_KEYS | NEW_KEYS <= set(c) for c in m["by_category"].values())
+        lo, hi = m["speedup_ci95"]
+        assert lo <= m["speedup_median"] <= hi and m["verdict"] == "too few questions"  # 4 questions: no verdict
+    assert results["methods"]["plain"]["speedup_median"] == 1.0
+    assert results["config"]["rounds"] == 2 and results["config"]["bootstrap"]["resamples"] == 2000
+    assert [(p["method"], p["against"]) for p in results["pairwise"]] == [
+        ("tr", "pld"), ("tr-paper", "pld"), ("tr-cold", "pld"), ("tr-paper", "tr"), ("tr-cold", "tr"),
+        ("tr-cold", "tr-paper")]
+    assert "| tr-paper | tr | " in printed and "speedup: median [95% interval]" in printed
     assert results["methods"]["plain"]["mean_accepted_tokens"] == 1.0
     assert results["config"]["hot_start_carried_across_questions"] is True
     assert "## overall" in printed and "| tr-paper |" in printed
@@ -100,3 +128,137 @@ def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():
     line, steps, *markers = tree_size_figure(bench).data
     assert steps.name.startswith("steps only") and list(steps.x) == [4, 81] and list(steps.y) == [1.5, 0.6]
     assert len(markers) == 2
+
+
+# --- rounds -------------------------------------------------------------------------------------------------------
+
+def test_each_round_runs_every_method_once_and_the_order_rotates_between_rounds():
+    names = ["plain", "pld", "tr", "tr-4"]
+    orders = [order for q in range(3) for order in round_orders(names, 3, q)]
+    assert len(orders) == 9 and all(sorted(order) == sorted(names) for order in orders)
+    for before, after in zip(orders, orders[1:]):  # one place on, within a question and across questions
+        assert after == before[1:] + before[:1]
+    # over as many rounds as there are methods, each method runs once in every place
+    assert all(sorted(order[place] for order in orders[:4]) == sorted(names) for place in range(4))
+    assert round_orders(names, 1, 0) == [names]
+
+
+class StubMatrix:
+    """What a run teaches a matrix, as the list of runs that taught it."""
+
+    def __init__(self, taught=()):
+        self.taught = list(taught)
+
+    def clone(self):
+        return StubMatrix(self.taught)
+
+
+class StubEngine:
+    """An engine without a model: each run logs which method ran from what matrix; a Token Recycling run then
+    teaches that matrix."""
+
+    def __init__(self, name, log, matrix):
+        self.name, self.log, self.matrix = name, log, matrix
+
+    def with_matrix(self, matrix):
+        engine = copy.copy(self)
+        engine.matrix = matrix
+        return engine
+
+    def fresh_matrix(self):
+        return StubMatrix()
+
+    def generate(self, ids, max_new_tokens, method):
+        self.log.append((self.name, tuple(self.matrix.taught)))
+        if method == "tr":
+            self.matrix.taught.append(f"{self.name} run {len(self.log)}")
+        return DecodeResult(list(ids), "", 1, 0.1 * len(self.log), "max_new_tokens")
+
+
+def stub_runners(log):
+    return [MethodRunner("plain", StubEngine("plain", log, StubMatrix()), "plain"),
+            MethodRunner("tr", StubEngine("tr", log, StubMatrix(["hot start"])), "tr"),
+            MethodRunner("tr-cold", StubEngine("tr-cold", log, StubMatrix()), "tr", reset_each_question=True)]
+
+
+def test_rounds_run_in_the_scheduled_order_and_every_round_starts_from_the_same_matrix():
+    log, ran = [], []
+    runners = stub_runners(log)
+    results = measure_question(runners, [5, 6], 8, 3, 0, on_run=lambda: ran.append(len(log)))
+    assert [name for name, _ in log] == [n for order in round_orders(["plain", "tr", "tr-cold"], 3, 0) for n in order]
+    assert ran == list(range(1, 10)) and {n: len(r) for n, r in results.items()} == {"plain": 3, "tr": 3, "tr-cold": 3}
+    # every round of tr drafted from the matrix held before the question, not from what an earlier round taught
+    assert [m for name, m in log if name == "tr"] == [("hot start",)] * 3
+    assert [m for name, m in log if name == "tr-cold"] == [()] * 3  # a cold runner: empty every round
+    # after the question tr keeps what its first round taught (one round's learning, carried to the next question)
+    first_tr = next(i for i, (name, _) in enumerate(log) if name == "tr") + 1
+    assert runners[1].engine.matrix.taught == ["hot start", f"tr run {first_tr}"]
+    assert runners[2].engine.matrix.taught == []  # a cold runner's own matrix is never taught
+    # the next question's rounds all start from that matrix
+    measure_question(runners, [7], 8, 2, 1)
+    assert [m for name, m in log[9:] if name == "tr"] == [("hot start", f"tr run {first_tr}")] * 2
+
+
+def test_a_question_is_timed_by_its_median_round():
+    def res(seconds):
+        return DecodeResult([1], "", 1, seconds, None)
+
+    assert median_round([res(3.0), res(1.0), res(2.0)]).elapsed_s == 2.0
+    assert median_round([res(9.0), res(1.0), res(2.0), res(3.0)]).elapsed_s == 2.0  # even: the faster middle one
+    assert median_round([res(4.0)]).elapsed_s == 4.0
+
+
+# --- speedups with intervals --------------------------------------------------------------------------------------
+
+CLEAR = [1.31, 1.25, 1.4, 1.35, 1.28, 1.22, 1.3, 1.27, 1.33, 1.29]  # every question faster, by about 30%
+NOISY = [0.6, 1.5, 0.9, 1.3, 0.8, 1.6, 1.1, 0.7, 1.2, 0.95]  # as often slower as faster, widely spread
+
+
+def test_the_bootstrap_interval_excludes_one_only_where_the_ratios_agree():
+    lo, hi = bootstrap_median_interval(CLEAR)
+    assert 1.0 < lo <= 1.3 <= hi <= 1.4
+    lo, hi = bootstrap_median_interval(NOISY)
+    assert lo < 1.0 < hi
+    lo, hi = bootstrap_median_interval([1 / r for r in CLEAR])
+    assert hi < 1.0
+    assert bootstrap_median_interval(NOISY) == bootstrap_median_interval(NOISY)  # seeded
+    assert compare(CLEAR)["verdict"] == "faster" and compare(NOISY)["verdict"] == "no clear difference"
+    assert compare([1 / r for r in CLEAR])["verdict"] == "slower"
+    assert compare(CLEAR)["speedup_median"] == 1.295
+
+
+def test_a_method_is_called_faster_or_slower_only_where_its_interval_excludes_one():
+    assert verdict((1.01, 1.5), 30) == "faster"
+    assert verdict((0.5, 0.99), 30) == "slower"
+    assert verdict((1.0, 1.5), 30) == verdict((0.5, 1.0), 30) == verdict((0.9, 1.1), 30) == "no clear difference"
+    assert verdict((1.2, 1.3), bench.MIN_QUESTIONS_FOR_VERDICT - 1) == "too few questions"
+    assert verdict(None, 1) == "too few questions"
+    assert compare([1.4]) == {"speedup_median": 1.4, "speedup_ci95": None, "verdict": "too few questions"}
+
+
+def records(method, seconds_by_question, category="qa"):
+    return [Record(q, category, method, 10, 5, s, True, [2] * 5, 0.0, 0.0, round_seconds=[s])
+            for q, s in enumerate(seconds_by_question)]
+
+
+def test_pairs_of_methods_compare_per_question_like_each_against_plain():
+    recs = {"plain": records("plain", [2.0] * 6), "pld": records("pld", [1.0] * 6),
+            "tr": records("tr", [1.0, 0.5, 1.0, 0.5, 1.0, 0.5])}
+    (pair,) = pairwise(recs, ["qa"])
+    assert (pair["method"], pair["against"], pair["questions"]) == ("tr", "pld", 6)
+    assert pair["speedup_median"] == 1.5 and pair["speedup_ci95"] == [1.0, 2.0]  # ratios 1, 2, 1, 2, 1, 2
+    assert pair["verdict"] == "no clear difference" and pair["by_category"]["qa"]["speedup_median"] == 1.5
+
+
+def test_a_fitted_tree_shows_its_prediction_beside_what_was_measured():
+    tr = {"tree_nodes": 5, "predicted_mean_accepted_tokens": 1.8, "mean_accepted_tokens": 1.6,
+          "predicted_speedup": 1.5, "steps_speedup": 1.25, "tokens_per_s": 20.0, "speedup_median": 1.2,
+          "speedup_ci95": [1.1, 1.3]}
+    tr.update(predicted_vs_measured(tr, {"tokens_per_s": 16.0}))
+    # per step: 1.5x predicted against 1.25x measured; end to end: 1.5 x 16 tokens/s = 24 against 20 measured
+    assert tr["predicted_tokens_per_s"] == 24.0 and tr["predicted_tokens_per_s_error_pct"] == 20.0
+    assert tr["predicted_steps_error_pct"] == 20.0
+    table = prediction_table({"methods": {"plain": {"tokens_per_s": 16.0}, "tr": tr}})
+    assert table.splitlines()[2] == ("| tr | 5 | 1.80 | 1.60 | 1.50x | 1.25x | +20% | 24.00 | 20.00 | +20% | "
+                                     "1.20x [1.10, 1.30] |")
+    assert len(table.splitlines()) == 3  # plain has no fitted tree

@@ -1,6 +1,6 @@
-"""Spec-Bench benchmark: every method on the same questions, interleaved question by question in one process.
+"""Spec-Bench benchmark: every method on the same questions, in rounds alternating the methods, in one process.
 
-    python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128]
+    python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
                             [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--compile]
                             [--out bench_out]
 
@@ -12,7 +12,16 @@ Methods: ``plain`` (greedy, one token per forward), ``pld`` (Prompt Lookup), ``t
 fitted to this machine, matrix seeded from each prompt), ``tr-paper`` (the paper's 81-node tree), and ``tr-cold``
 (the fitted tree from an empty matrix on every question). Token Recycling starts from the shipped hot-start matrix
 and carries it across questions, as the paper's hot start does. All methods share one model in one mode, so
-speedups compare like with like. Speedup = mean per-question tokens/s of a method / that of ``plain``.
+speedups compare like with like.
+
+The machine drifts (its speed moves by up to 2x within minutes), so the methods are measured close together in time:
+each question is decoded ``--rounds`` times by every method, each round running every method once, in an order
+rotated from round to round (``round_orders``). Every round of a question starts Token Recycling from the same
+matrix, the one it held before the question; what the first round taught is carried to the next question
+(``measure_question``). A method's time on a question is its median round. Its speedup over plain is the median of
+the per-question ratios (its tokens/s over plain's on the same question) with a 95% bootstrap interval over the
+questions, and a verdict read from the interval (``compare``); the same for each pair of the other methods.
+``speedup`` keeps its old meaning: mean per-question tokens/s of a method / that of ``plain``.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -34,14 +45,21 @@ from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
 from .kernels import mode_dtype
 from .models import encode_prompt
-from .spec_bench import load_questions, stratified
+from .spec_bench import Question, load_questions, stratified
 
 ALL_METHODS = ("plain", "pld", "tr", "tr-paper", "tr-cold")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
+DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
+BOOTSTRAP = {"resamples": 2000, "seed": 0, "confidence": 0.95}
+# Below this many questions a percentile bootstrap of the median is little more than the ratios' range (at 5 it is
+# exactly their range: "faster" then means every question was faster, a sign test's p = 0.06): no verdict is given.
+MIN_QUESTIONS_FOR_VERDICT = 5
 
 
 @dataclass
 class Record:
+    """One method on one question: its median round (``seconds`` and everything else from that round), and every
+    round's time."""
     question_id: int
     category: str
     method: str
@@ -53,6 +71,7 @@ class Record:
     forward_ms: float
     overhead_ms: float
     first_difference: dict | None = None
+    round_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -62,6 +81,11 @@ class MethodRunner:
     method: str
     reset_each_question: bool = False
     records: list[Record] = field(default_factory=list)
+
+    @property
+    def carries_matrix(self) -> bool:
+        """Whether the runner's matrix goes from one question to the next (Token Recycling's hot start)."""
+        return self.method == "tr" and not self.reset_each_question
 
     def run(self, ids: list[int], max_new_tokens: int, engine: Engine | None = None) -> DecodeResult:
         """Decode one prompt on the runner's engine (or ``engine``); a cold runner starts from an empty matrix."""
@@ -105,6 +129,51 @@ def question_contexts(prompt_lengths: list[int], max_new_tokens: int) -> tuple[i
     return tuple(n + max_new_tokens // 2 for n in prompt_lengths)
 
 
+def round_orders(names: Sequence[str], rounds: int, question: int) -> list[list[str]]:
+    """The order the methods run in on the ``question``-th question, round by round: every method once a round, the
+    order rotated by one place from each round to the next and on across questions, so that each method takes every
+    place in turn and a drift within a round hits them alike.
+
+    >>> round_orders(["plain", "pld", "tr"], 2, 0)
+    [['plain', 'pld', 'tr'], ['pld', 'tr', 'plain']]
+    >>> round_orders(["plain", "pld", "tr"], 2, 1)  # the rotation goes on from where question 0 left it
+    [['tr', 'plain', 'pld'], ['plain', 'pld', 'tr']]
+    """
+    n = len(names)
+    return [[names[(start + i) % n] for i in range(n)] for start in range(question * rounds, (question + 1) * rounds)]
+
+
+def measure_question(runners: Sequence[MethodRunner], ids: list[int], max_new_tokens: int, rounds: int,
+                     question: int, on_run: Callable[[], None] = lambda: None) -> dict[str, list[DecodeResult]]:
+    """Decode one prompt ``rounds`` times with every runner, in the orders of ``round_orders``; each runner's results,
+    in round order (``on_run`` is called after each decoding).
+
+    Every round of a runner that carries its matrix starts from a copy of the matrix the runner held before the
+    question, so that no round drafts from what an earlier round of the same question taught it (the rounds measure
+    the same decoding). After the question the runner keeps the matrix its first round taught: the hot start carried
+    to the next question is what one pass over the questions would carry."""
+    by_name = {r.name: r for r in runners}
+    before = {r.name: r.engine.matrix.clone() for r in runners if r.carries_matrix}
+    taught = {}
+    results: dict[str, list[DecodeResult]] = {name: [] for name in by_name}
+    for order in round_orders(list(by_name), rounds, question):
+        for name in order:
+            engine = by_name[name].engine.with_matrix(before[name].clone()) if name in before else None
+            results[name].append(by_name[name].run(ids, max_new_tokens, engine))
+            if engine is not None:
+                taught.setdefault(name, engine.matrix)
+            on_run()
+    for name, matrix in taught.items():
+        by_name[name].engine = by_name[name].engine.with_matrix(matrix)
+    return results
+
+
+def median_round(results: Sequence[DecodeResult]) -> DecodeResult:
+    """The round with the median time (of an even count, the faster of the two middle ones): a robust time that
+    comes, with its steps and events, from one real decoding."""
+    return sorted(results, key=lambda res: res.elapsed_s)[(len(results) - 1) // 2]
+
+
 @torch.inference_mode()
 def first_difference(engine: Engine, ids: list[int], plain: list[int], other: list[int]) -> dict:
     """Where an output first leaves plain decoding's, and the two tokens' logits there (from a forward over the
@@ -119,6 +188,78 @@ def first_difference(engine: Engine, ids: list[int], plain: list[int], other: li
     if "plain_logit" in out and "method_logit" in out:
         out["gap"] = round(abs(out["plain_logit"] - out["method_logit"]), 5)
     return out
+
+
+# --- speedups with intervals ---------------------------------------------------------------------------------------
+
+def ratios(records: Sequence[Record], against: Sequence[Record]) -> list[float]:
+    """Per question, a method's tokens/s over another's on the same question (``records``' order)."""
+    base = {r.question_id: r.tokens / r.seconds for r in against}
+    return [r.tokens / r.seconds / base[r.question_id] for r in records]
+
+
+def bootstrap_median_interval(values: Sequence[float], resamples: int = BOOTSTRAP["resamples"],
+                              seed: int = BOOTSTRAP["seed"],
+                              confidence: float = BOOTSTRAP["confidence"]) -> tuple[float, float]:
+    """The percentile-bootstrap interval of the median of ``values`` (one per question): the questions drawn with
+    replacement ``resamples`` times, the median of each draw, and the middle ``confidence`` of those medians.
+    Seeded: the same values give the same interval.
+
+    >>> bootstrap_median_interval([1.2, 1.2, 1.2])
+    (1.2, 1.2)
+    """
+    x = np.asarray(values, dtype=float)
+    draws = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
+    lo, hi = np.quantile(np.median(x[draws], axis=1), [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(lo), float(hi)
+
+
+def verdict(interval: tuple[float, float] | None, questions: int) -> str:
+    """What an interval of a speedup says: "faster" or "slower" only where it excludes 1.
+
+    >>> verdict((1.05, 1.3), 30), verdict((0.7, 0.95), 30), verdict((0.9, 1.2), 30), verdict((1.1, 1.2), 3)
+    ('faster', 'slower', 'no clear difference', 'too few questions')
+    """
+    if interval is None or questions < MIN_QUESTIONS_FOR_VERDICT:
+        return "too few questions"
+    lo, hi = interval
+    return "faster" if lo > 1 else "slower" if hi < 1 else "no clear difference"
+
+
+def compare(values: Sequence[float]) -> dict:
+    """The median of per-question speedups, its 95% interval (none from one question) and the verdict."""
+    interval = bootstrap_median_interval(values) if len(values) > 1 else None
+    return {"speedup_median": round(float(np.median(values)), 4),
+            "speedup_ci95": None if interval is None else [round(interval[0], 4), round(interval[1], 4)],
+            "verdict": verdict(interval, len(values))}
+
+
+def pairwise(records: dict[str, list[Record]], categories: Sequence[str]) -> list[dict]:
+    """Every pair of methods other than plain, each later one in ``records`` against each earlier one: the median
+    ratio of their tokens/s per question, with its interval and verdict, overall and per category."""
+    names = [n for n in records if n != "plain"]
+    pairs = []
+    for i, against in enumerate(names):
+        for name in names[i + 1:]:
+            entry = {"method": name, "against": against, "questions": len(records[name]),
+                     **compare(ratios(records[name], records[against])), "by_category": {}}
+            for c in categories:
+                mine = [r for r in records[name] if r.category == c]
+                if mine:
+                    entry["by_category"][c] = {"questions": len(mine), **compare(
+                        ratios(mine, [r for r in records[against] if r.category == c]))}
+            pairs.append(entry)
+    return pairs
+
+
+def predicted_vs_measured(entry: dict, plain: dict) -> dict:
+    """A fitted tree's prediction next to what was measured: the prediction is per step (expected accepted tokens
+    over the calibrated t(N)), so it is set against the steps' own speedup, and, times plain's measured tokens/s,
+    against the end-to-end tokens/s (which also carry each question's prefill). Errors in % of the measured."""
+    predicted_tps = entry["predicted_speedup"] * plain["tokens_per_s"]
+    return {"predicted_tokens_per_s": round(predicted_tps, 3),
+            "predicted_tokens_per_s_error_pct": round(100 * (predicted_tps / entry["tokens_per_s"] - 1), 1),
+            "predicted_steps_error_pct": round(100 * (entry["predicted_speedup"] / entry["steps_speedup"] - 1), 1)}
 
 
 def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
@@ -140,14 +281,39 @@ def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
     }
 
 
+def interval_text(s: dict) -> str:
+    """``1.23x [1.10, 1.35]``: a median speedup and its 95% interval (``1.23x (1 question)`` without one)."""
+    ci = s["speedup_ci95"]
+    return f"{s['speedup_median']:.2f}x " + (f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "(1 question)")
+
+
 def markdown_table(results: dict, category: str | None = None) -> str:
-    rows = ["| method | tokens/s | speedup | mean accepted tokens | identical to plain | overhead ms/step |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| method | tokens/s | speedup: median [95% interval] | vs plain | speedup of means | "
+            "mean accepted tokens | identical to plain | overhead ms/step |", "|---|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
         s = m if category is None else m["by_category"].get(category)
         if s:
-            rows.append(f"| {name} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}x | {s['mean_accepted_tokens']:.2f} "
-                        f"| {s['identical']}/{s['questions']} | {s['overhead_ms_per_step']:.2f} |")
+            rows.append(f"| {name} | {s['tokens_per_s']:.2f} | {interval_text(s)} | "
+                        f"{'(baseline)' if name == 'plain' else s['verdict']} | {s['speedup']:.2f}x | "
+                        f"{s['mean_accepted_tokens']:.2f} | {s['identical']}/{s['questions']} | "
+                        f"{s['overhead_ms_per_step']:.2f} |")
+    return "\n".join(rows)
+
+
+def pairwise_table(pairs: list[dict]) -> str:
+    rows = ["| method | against | tokens/s ratio: median [95% interval] | verdict |", "|---|---|---|---|"]
+    rows += [f"| {p['method']} | {p['against']} | {interval_text(p)} | {p['verdict']} |" for p in pairs]
+    return "\n".join(rows)
+
+
+def prediction_table(results: dict) -> str:
+    rows = ["| method | nodes | predicted MAT | measured MAT | predicted speedup (steps) | measured speedup (steps) | "
+            "error | predicted tokens/s | measured tokens/s | error | measured speedup (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | {m['mean_accepted_tokens']:.2f} "
+             f"| {m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | {m['predicted_steps_error_pct']:+.0f}% | "
+             f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | {m['predicted_tokens_per_s_error_pct']:+.0f}% "
+             f"| {interval_text(m)} |" for n, m in results["methods"].items() if "predicted_speedup" in m]
     return "\n".join(rows)
 
 
@@ -163,6 +329,10 @@ def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
     p.add_argument("--questions", default=None, help="JSON-lines questions (default: the Spec-Bench copy in assets/)")
     p.add_argument("--per-category", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="how many times every method decodes each question, the methods alternated in each round; "
+                        "a method's time on a question is its median round. The run takes about this many times "
+                        f"one pass (default {DEFAULT_ROUNDS}; 1 is the old single pass)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(ALL_METHODS)}, and tr-N (the N likeliest nodes, to compare "
                         "tree sizes)")
@@ -177,6 +347,26 @@ def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
     return p
 
 
+def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids: list[int], base: Engine,
+           ids: list[int]) -> Record:
+    """A method's record of one question from its rounds: the median round, every round's time, and whether every
+    round's output equals plain decoding's (the first that does not is looked at)."""
+    res = median_round(rounds)
+    differs = next((r.token_ids for r in rounds if r.token_ids != plain_ids), None)
+    return Record(question.question_id, question.category, name, len(res.token_ids), res.steps, res.elapsed_s,
+                  differs is None, [len(e.new_tokens) for e in res.events], sum(e.forward_ms for e in res.events),
+                  sum(e.overhead_ms for e in res.events),
+                  None if differs is None else first_difference(base, ids, plain_ids, differs),
+                  [round(r.elapsed_s, 4) for r in rounds])
+
+
+def round_spread_pct(records: list[Record]) -> float:
+    """How far a method's rounds of one question lay apart, (slowest - fastest) / median, median over questions in
+    %: the drift that the rounds were there to absorb."""
+    return round(100 * statistics.median((max(r.round_seconds) - min(r.round_seconds)) / statistics.median(
+        r.round_seconds) for r in records), 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -184,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     if "plain" not in methods:
         methods.insert(0, "plain")  # speedups are over plain decoding
     unknown = sorted(m for m in set(methods) - set(ALL_METHODS) if not _sized(m))
-    if unknown or args.per_category < 1 or args.max_new_tokens < 1:
-        p.error(f"unknown methods {unknown}" if unknown else "--per-category and --max-new-tokens must be >= 1")
+    if unknown or args.per_category < 1 or args.max_new_tokens < 1 or args.rounds < 1:
+        p.error(f"unknown methods {unknown}" if unknown else
+                "--per-category, --max-new-tokens and --rounds must be >= 1")
     if args.fit_context is not None and args.fit_context < 1:
         p.error("--fit-context must be >= 1")
 
@@ -207,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if load_before > 0.5:
         print(f"warning: load average {load_before:.1f} before the run: another process is using the CPU, and torch's "
               "threads slow down badly when they share cores; timings will be unreliable")
-    print(f"hot start: {hot.name if hot else 'none (no shipped matrix: cold start)'}, carried across questions")
+    print(f"hot start: {hot.name if hot else 'none (no shipped matrix: cold start)'}, carried across questions; "
+          f"{args.rounds} round(s) a question, each from the matrix held before the question")
     if fitted:
         print(f"fitted tree: {fitted.tree.size} nodes (depth {fitted.tree.max_depth}), predicted mean accepted "
               f"tokens {fitted.expected_accepted:.2f}, predicted speedup {fitted.predicted_speedup:.2f}x")
@@ -220,27 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in runners:  # warm-up, on a throwaway copy of the matrix
         r.run(base.encode(warm), 16, r.engine.with_matrix(r.engine.matrix.clone()))
 
-    plain_runner = runners[0] if runners[0].name == "plain" else next(r for r in runners if r.name == "plain")
-    order = [plain_runner] + [r for r in runners if r is not plain_runner]
+    plain_runner = next(r for r in runners if r.name == "plain")
     started = time.perf_counter()
-    bar = tqdm(total=len(questions) * len(order), desc="benchmark", unit="run")
+    bar = tqdm(total=len(questions) * len(runners) * args.rounds, desc="benchmark", unit="run")
     for qi, (q, ids) in enumerate(zip(questions, prompts)):
-        plain_ids = None
-        # plain runs first (every output is compared with it); the others rotate so none always runs right after it
-        rest = order[1:]
-        rest = rest[qi % len(rest):] + rest[: qi % len(rest)] if rest else rest
-        for r in [plain_runner] + rest:
-            res = r.run(ids, args.max_new_tokens)
-            if r is plain_runner:
-                plain_ids = res.token_ids
-            same = res.token_ids == plain_ids
-            r.records.append(Record(
-                q.question_id, q.category, r.name, len(res.token_ids), res.steps, res.elapsed_s, same,
-                [len(e.new_tokens) for e in res.events], sum(e.forward_ms for e in res.events),
-                sum(e.overhead_ms for e in res.events),
-                None if same else first_difference(base, ids, plain_ids, res.token_ids),
-            ))
-            bar.update(1)
+        rounds = measure_question(runners, ids, args.max_new_tokens, args.rounds, qi, lambda: bar.update(1))
+        plain_ids = median_round(rounds["plain"]).token_ids  # every round of plain decoding gives the same tokens
+        for r in runners:
+            r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
     bar.close()
 
     plain_tps = {r.question_id: r.tokens / r.seconds for r in plain_runner.records}
@@ -257,12 +436,28 @@ def main(argv: list[str] | None = None) -> int:
             "node_paths": [list(p) for p in fitted.tree.node_paths],
             "predicted_mean_accepted_tokens": round(fitted.expected_accepted, 4),
             "predicted_speedup": round(fitted.predicted_speedup, 4), "table": fitted.table},
+        "rounds": args.rounds, "round_order": [r.name for r in runners],
+        "rounds_note": "each round runs every method once, in round_order rotated by one place a round (and on "
+                       "across questions); every round of a question starts Token Recycling from the matrix held "
+                       "before the question, and the first round's matrix is carried on; a method's time on a "
+                       "question is its median round (of an even count, the faster middle one)",
+        "speedup_median_note": "speedup_median: the median over questions of a method's tokens/s / plain's on the "
+                               "same question; speedup_ci95: its percentile-bootstrap interval over questions; "
+                               "verdict: faster / slower only where the interval excludes 1",
+        "bootstrap": {**BOOTSTRAP, "min_questions_for_verdict": MIN_QUESTIONS_FOR_VERDICT},
     }}
+    plain_token = summarize(plain_runner.records, plain_tps)["step_ms_per_token"]
     for r in runners:
         entry = summarize(r.records, plain_tps)
-        entry["by_category"] = {c: summarize([x for x in r.records if x.category == c], plain_tps)
-                                for c in categories if any(x.category == c for x in r.records)}
+        entry.update(compare(ratios(r.records, plain_runner.records)))
+        entry["by_category"] = {}
+        for c in categories:
+            mine = [x for x in r.records if x.category == c]
+            if mine:
+                entry["by_category"][c] = {**summarize(mine, plain_tps), **compare(ratios(mine, plain_runner.records))}
         entry["accepted_length_histogram"] = dict(sorted(Counter(n for x in r.records for n in x.accepted_lengths).items()))
+        entry["steps_speedup"] = round(plain_token / entry["step_ms_per_token"], 4)  # the steps' own, prefill left out
+        entry["round_spread_pct"] = round_spread_pct(r.records)
         if r.engine.fitted and r.method == "tr":
             entry["tree_nodes"] = r.engine.tree.size
             entry["predicted_mean_accepted_tokens"] = round(r.engine.fitted.expected_accepted, 4)
@@ -272,48 +467,68 @@ def main(argv: list[str] | None = None) -> int:
         entry["first_differences"] = [{"question_id": x.question_id, **x.first_difference}
                                       for x in r.records if x.first_difference]
         results["methods"][r.name] = entry
+    for entry in results["methods"].values():
+        if "predicted_speedup" in entry:
+            entry.update(predicted_vs_measured(entry, results["methods"]["plain"]))
+    results["pairwise"] = pairwise({r.name: r.records for r in runners}, categories)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    compiled = ", compiled body" if args.compile else ""
-    report = [f"# Spec-Bench, {len(questions)} questions, {args.max_new_tokens} new tokens, mode {args.mode}{compiled}", "",
-              "## overall", markdown_table(results)]
-    for c in categories:
-        report += ["", f"## {c}", markdown_table(results, c)]
-    plain_step = results["methods"]["plain"]["forward_ms_per_step"] + results["methods"]["plain"]["overhead_ms_per_step"]
-    report += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
-    report += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
-               for n, m in results["methods"].items()]
-    plain_token = results["methods"]["plain"]["step_ms_per_token"]
-    report += ["", "## where the time went (steps only, then the whole question with its prefill)",
-               "| method | forward ms/step | overhead ms/step | mean accepted tokens | step ms per token | "
-               "speedup of the steps | s per question outside steps | speedup |", "|---|---|---|---|---|---|---|---|"]
-    report += [f"| {n} | {m['forward_ms_per_step']:.1f} | {m['overhead_ms_per_step']:.2f} | "
-               f"{m['mean_accepted_tokens']:.2f} | {m['step_ms_per_token']:.1f} | "
-               f"{plain_token / m['step_ms_per_token']:.2f}x | {m['outside_steps_s_per_question']:.2f} | "
-               f"{m['speedup']:.2f}x |" for n, m in results["methods"].items()]
-    predicted = [(n, m) for n, m in results["methods"].items() if "predicted_speedup" in m]
-    if predicted:
-        report += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
-                   "| method | nodes | predicted MAT | measured MAT | predicted speedup | measured speedup |",
-                   "|---|---|---|---|---|---|"]
-        report += [f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | "
-                   f"{m['mean_accepted_tokens']:.2f} | {m['predicted_speedup']:.2f}x | {m['speedup']:.2f}x |"
-                   for n, m in predicted]
-    report += ["", "## accepted tokens per step (share of steps)"]
-    report += [f"- {r.name}: {histogram(r.records)}" for r in runners]
-    diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]
-    if diffs:
-        report += ["", "## first differences from plain (logits at the first differing position)"]
-        report += [f"- {name} q{d['question_id']} @ {d['position']}: plain {d.get('plain_token')} "
-                   f"({d.get('plain_logit')}) vs {d.get('method_token')} ({d.get('method_logit')}), gap {d.get('gap')}"
-                   for name, d in diffs]
-    text = "\n".join(report)
+    text = report(results, runners, args)
     (out / "report.md").write_text(text + "\n")
     print(text)
     print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}")
     return 0
+
+
+def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace) -> str:
+    """report.md: the speedup tables (overall, each category, each pair of methods), where the time went, the fitted
+    trees' predictions against what was measured, accepted lengths and first differences from plain."""
+    compiled = ", compiled body" if args.compile else ""
+    n = results["config"]["questions"]
+    lines = [f"# Spec-Bench, {n} questions, {args.max_new_tokens} new tokens, mode {args.mode}{compiled}, "
+              f"{args.rounds} round(s)", "",
+              f"Each question decoded {args.rounds} time(s) by every method, the methods alternated in each round and "
+              "the order rotated between rounds; a method's time on a question is its median round. Speedup: the "
+              "median over questions of the method's tokens/s over plain's on the same question, with a 95% "
+              f"bootstrap interval over the questions ({BOOTSTRAP['resamples']} resamples); \"faster\" or "
+              "\"slower\" only where the interval excludes 1, and no verdict from fewer than "
+              f"{MIN_QUESTIONS_FOR_VERDICT} questions. \"speedup of means\": mean tokens/s over plain's mean. "
+              "Token Recycling starts every round of a question from the same matrix (carried from the question "
+              "before).", "", "## overall", markdown_table(results)]
+    for c in dict.fromkeys(c for m in results["methods"].values() for c in m["by_category"]):
+        lines += ["", f"## {c}", markdown_table(results, c)]
+    if results["pairwise"]:
+        lines += ["", "## method against method (overall)", pairwise_table(results["pairwise"])]
+    lines += ["", "## rounds: how far a method's rounds of one question lay apart (median over questions)"]
+    lines += [f"- {name}: {m['round_spread_pct']:.1f}%" for name, m in results["methods"].items()]
+    plain_step = results["methods"]["plain"]["forward_ms_per_step"] + results["methods"]["plain"]["overhead_ms_per_step"]
+    lines += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
+    lines += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
+               for n, m in results["methods"].items()]
+    lines += ["", "## where the time went (steps only, then the whole question with its prefill)",
+               "| method | forward ms/step | overhead ms/step | mean accepted tokens | step ms per token | "
+               "speedup of the steps | s per question outside steps | speedup of means |",
+               "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {m['forward_ms_per_step']:.1f} | {m['overhead_ms_per_step']:.2f} | "
+               f"{m['mean_accepted_tokens']:.2f} | {m['step_ms_per_token']:.1f} | "
+               f"{m['steps_speedup']:.2f}x | {m['outside_steps_s_per_question']:.2f} | "
+               f"{m['speedup']:.2f}x |" for n, m in results["methods"].items()]
+    if any("predicted_speedup" in m for m in results["methods"].values()):
+        lines += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
+                   "The prediction is per step: it is set against the steps' own speedup, and, times plain's measured "
+                   "tokens/s, against the measured tokens/s, which also carry each question's prefill. Error: "
+                   "predicted / measured - 1.", "", prediction_table(results)]
+    lines += ["", "## accepted tokens per step (share of steps)"]
+    lines += [f"- {r.name}: {histogram(r.records)}" for r in runners]
+    diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]
+    if diffs:
+        lines += ["", "## first differences from plain (logits at the first differing position)"]
+        lines += [f"- {name} q{d['question_id']} @ {d['position']}: plain {d.get('plain_token')} "
+                   f"({d.get('plain_logit')}) vs {d.get('method_token')} ({d.get('method_logit')}), gap {d.get('gap')}"
+                   for name, d in diffs]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
