@@ -241,6 +241,25 @@ def test_speedup_bars_per_category():
     assert list(tr_speed.y) == [1.9, 2.2, 1.5] and list(tr_acc.y) == [2.5, 2.8, 2.0]
     assert list(plain_speed.y) == [1.0, 1.0, None]  # plain reported no 'writing' category
     assert "differs" in tr_speed.name and "differs" not in plain_speed.name
+    assert tr_speed.error_y.array is None  # results from before the intervals: the ratio of means, no error bars
+
+
+def test_speedup_bars_are_medians_with_their_intervals_where_the_results_hold_them():
+    def numbers(mean, median, ci, **extra):
+        return dict(tokens_per_s=10 * mean, speedup=mean, speedup_median=median, speedup_ci95=ci,
+                    mean_accepted_tokens=1.5, **extra)
+
+    bench = {"config": {}, "methods": {
+        "plain": numbers(1.0, 1.0, [1.0, 1.0], identical=4, questions=4, by_category={"math": numbers(1.0, 1.0, None)}),
+        "tr": numbers(1.9, 1.7, [1.2, 2.1], identical=4, questions=4, by_category={"math": numbers(2.2, 2.0, None)}),
+    }}
+    fig = speedup_figure(bench)
+    _, _, tr_speed, tr_acc = fig.data
+    assert list(tr_speed.y) == [1.7, 2.0]  # the medians, not the ratios of means
+    assert list(tr_speed.error_y.array) == pytest.approx([0.4, None]) and tr_speed.error_y.array[1] is None
+    assert tr_speed.error_y.arrayminus[0] == pytest.approx(0.5)  # 1.7 - 1.2; one question in math: no interval
+    assert tr_acc.error_y.array is None and "95% interval 1.20–2.10" in tr_speed.customdata[0]
+    assert "median" in fig.layout.annotations[0].text
 
 
 # --- layering ------------------------------------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 """Race and speed: methods side by side.
 
     race_figure({"plain": events_a, "tr": events_b})     tokens produced against wall-clock time
-    speedup_figure(benchmark)                             speedup and mean accepted tokens per category
+    speedup_figure(benchmark)                             speedup (median, interval) and mean accepted tokens
     accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each step produced
     tree_size_figure(benchmark)                           predicted and measured speedup against tree size
 
 ``benchmark`` is the benchmark's JSON::
 
     {"methods": {"tr": {"tokens_per_s": 41.2, "speedup": 1.9, "mean_accepted_tokens": 2.6, "identical": true,
-                        "questions": 80, "by_category": {"writing": {<the same keys>}, ...}}, ...},
+                        "questions": 80, "speedup_median": 1.8, "speedup_ci95": [1.6, 2.0],
+                        "by_category": {"writing": {<the same keys>}, ...}}, ...},
      "config": {...}}
 """
 
@@ -61,12 +62,24 @@ def _metric(method: dict, category: str, key: str) -> float | None:
     return None if source is None else source.get(key)
 
 
+def _interval(method: dict, category: str) -> tuple[float, float] | None:
+    """A method's 95% interval of its median speedup in ``category`` (``None`` in results without one)."""
+    source = method if category == ALL else method.get("by_category", {}).get(category)
+    return tuple(source["speedup_ci95"]) if source and source.get("speedup_ci95") else None
+
+
 def speedup_figure(benchmark: dict) -> go.Figure:
     """Grouped bars per category: speedup over plain decoding (left) and mean accepted tokens per step (right).
-    Traces come in pairs per method (speedup, then accepted), in the order of ``benchmark["methods"]``."""
+    Traces come in pairs per method (speedup, then accepted), in the order of ``benchmark["methods"]``.
+
+    Where the results hold them (``speedup_median``, ``speedup_ci95``), the speedup bars are the median of the
+    per-question speedups, with their 95% interval as error bars; older results draw ``speedup`` (the ratio of
+    mean tokens/s) without bars."""
     cats = categories(benchmark)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08,
-                        subplot_titles=("speedup over plain greedy decoding", "mean tokens per forward pass"))
+    medians = any("speedup_median" in m for m in benchmark["methods"].values())
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
+        "speedup over plain greedy decoding" + (": median, 95% interval" if medians else ""),
+        "mean tokens per forward pass"))
     for index, (method, numbers) in enumerate(benchmark["methods"].items()):
         colour, _ = method_style(method, index)
         pattern = dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white", solidity=0.3)
@@ -74,15 +87,25 @@ def speedup_figure(benchmark: dict) -> go.Figure:
         identical = numbers.get("identical", True)  # a count of identical outputs (or a bool)
         differs = identical is False or (not isinstance(identical, bool) and identical < numbers.get("questions", 0))
         name = f"{method} (output differs from plain!)" if differs else method
-        for col, key, fmt in [(1, "speedup", "{:.2f}×"), (2, "mean_accepted_tokens", "{:.2f}")]:
+        speed_key = "speedup_median" if "speedup_median" in numbers else "speedup"
+        for col, key, fmt in [(1, speed_key, "{:.2f}×"), (2, "mean_accepted_tokens", "{:.2f}")]:
             values = [_metric(numbers, c, key) for c in cats]
             tok_s = [_metric(numbers, c, "tokens_per_s") for c in cats]
+            intervals = [_interval(numbers, c) if col == 1 else None for c in cats]
+            error = None
+            if any(intervals):
+                error = dict(type="data", symmetric=False, color=GREY, thickness=1.5, width=4,
+                             array=[i[1] - v if i and v is not None else None for i, v in zip(intervals, values)],
+                             arrayminus=[v - i[0] if i and v is not None else None for i, v in zip(intervals, values)])
+            hover = [f"{t:.1f}" if t is not None else "?" for t in tok_s]
+            hover = [h + (f" tok/s<br>95% interval {i[0]:.2f}–{i[1]:.2f}" if i else " tok/s")
+                     for h, i in zip(hover, intervals)]
             fig.add_trace(go.Bar(
-                x=cats, y=values, name=name, legendgroup=method, showlegend=col == 1,
+                x=cats, y=values, name=name, legendgroup=method, showlegend=col == 1, error_y=error,
                 marker=dict(color=colour, pattern=pattern, line=dict(color=colour, width=1)),
                 text=[fmt.format(v) if v is not None else "" for v in values], textposition="outside",
-                customdata=[f"{t:.1f}" if t is not None else "?" for t in tok_s],
-                hovertemplate=f"{escape(method)}, %{{x}}<br>{key} %{{y:.2f}}<br>%{{customdata}} tok/s<extra></extra>"),
+                customdata=hover,
+                hovertemplate=f"{escape(method)}, %{{x}}<br>{key} %{{y:.2f}}<br>%{{customdata}}<extra></extra>"),
                 row=1, col=col)
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"), row=1, col=1)  # plain decoding itself
     questions = {m: n.get("questions") for m, n in benchmark["methods"].items()}
