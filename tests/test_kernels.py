@@ -1,14 +1,15 @@
 import pytest
 import torch
 
-from conftest import tiny_model
-from tr_core import kernels
-from tr_core.kernels import OutputHead, fp16_weights_available, mode_dtype
+from conftest import reference_greedy, tiny_model
+from tr_core import kernels, layouts
+from tr_core.kernels import OutputHead, fp16_weights_available, mode_dtype, prepare_model
+from tr_core.layouts import LAYOUTS, available_layouts, choose_format, choose_layouts, linear_shapes, make_plan
 
-# where this torch build has no fbgemm (not x86 or without AVX2), the fast mode falls back to bf16 and has no
-# fp16-weight linear to test
+# where this torch build has no fbgemm (not x86 or without AVX2), the fast mode has no fp16-weight linear to test
 needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
                                   reason="this torch build has no fbgemm fp16-weight linear")
+ROUNDING = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 3e-2}  # relative error of a product of unit-scale values, per format
 
 
 def test_output_head_equals_the_models_own_output_layer():
@@ -20,48 +21,194 @@ def test_output_head_equals_the_models_own_output_layer():
             torch.testing.assert_close(head(hidden), model.get_output_embeddings()(hidden), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fbgemm, native_bf16, fast", [
-    (True, False, (torch.float32, "fast: fp16 weights, fp32 arithmetic")),
-    (True, True, (torch.float32, "fast: fp16 weights, fp32 arithmetic")),
-    (False, True, (torch.bfloat16, "fast: bf16 (native)")),
-    (False, False, (torch.bfloat16, "fast: bf16 (emulated: no AVX-512 BF16/AMX on this CPU)"))])
-def test_modes(monkeypatch, fbgemm, native_bf16, fast):
-    """What each mode means, as a function of what the machine has (stubbed: every branch runs everywhere)."""
+# --- the choice, from stubbed timings -------------------------------------------------------------------------
+
+def stub(fastest: dict, shapes=("8x8",), rows=(1, 2, 4), layouts=("linear", "wxt", "xwt", "onednn", "fp16w")):
+    """Timings where ``fastest[rows]`` (or ``fastest[None]``) takes 1 ms and every other layout 2 ms."""
+    return {(s, r, name): 1.0 if name == fastest.get(r, fastest.get(None)) else 2.0
+            for s in shapes for r in rows for name in layouts}
+
+
+def test_the_chooser_picks_the_fastest_layout_per_shape_and_row_count():
+    t = stub({1: "linear", 2: "wxt", 4: "onednn"}, shapes=("8x8", "16x8"))
+    t[("16x8", 4, "xwt")] = 0.5
+    chosen = choose_layouts(t, available=LAYOUTS)
+    assert chosen == {("16x8", 1): "linear", ("16x8", 2): "wxt", ("16x8", 4): "xwt",
+                      ("8x8", 1): "linear", ("8x8", 2): "wxt", ("8x8", 4): "onednn"}
+
+
+def test_a_tie_goes_to_the_layout_with_fewer_copies_and_noise_within_the_tie_band_is_a_tie():
+    t = {("8x8", 2, "onednn"): 1.00, ("8x8", 2, "wxt"): 1.02, ("8x8", 2, "linear"): 1.10}
+    assert choose_layouts(t, available=LAYOUTS) == {("8x8", 2): "wxt"}  # within 3% of the best: the cheaper layout
+    t[("8x8", 2, "wxt")] = 1.05
+    assert choose_layouts(t, available=LAYOUTS) == {("8x8", 2): "onednn"}  # beyond it: the fastest
+    assert choose_layouts({("8x8", 1, "xwt"): 1.0, ("8x8", 1, "linear"): 1.0}, LAYOUTS) == {("8x8", 1): "linear"}
+
+
+def test_a_layout_missing_on_this_platform_is_never_chosen():
+    t = stub({None: "onednn"})
+    assert set(choose_layouts(t, available=("linear", "wxt")).values()) <= {"linear", "wxt"}
+    assert "onednn" not in choose_layouts(t, available=("linear", "wxt", "fp16w")).values()
+    # the plan too: a format none of whose layouts this platform has is never the fast mode's format
+    bf = {("8x8", r, "bf16-linear"): 0.1 for r in (1, 2, 4)}
+    plan = make_plan("fast", {**stub({None: "linear"}), **bf}, {"8x8": 3}, available=("linear", "wxt", "fp16w"))
+    assert plan.fmt in ("fp32", "fp16") and "bf16-linear" not in str(plan.layouts)
+
+
+def test_exact_mode_chooses_only_fp32_layouts_and_fast_mode_the_fastest_format():
+    t = stub({None: "linear"})
+    t.update({("8x8", r, "fp16w"): 0.9 for r in (1, 2, 4)})
+    t.update({("8x8", r, "bf16-onednn"): ms for r, ms in ((1, 1.2), (2, 0.3), (4, 0.3))})
+    counts = {"8x8": 4}
+    exact = make_plan("exact", t, counts, available=LAYOUTS)
+    assert exact.fmt == "fp32" and {LAYOUTS[n].fmt for c in exact.layouts.values() for n in c.values()} == {"fp32"}
+    fast = make_plan("fast", t, counts, available=LAYOUTS)
+    assert fast.fmt == "bf16" and fast.layouts["8x8"] == {1: "bf16-onednn", 2: "bf16-onednn", 4: "bf16-onednn"}
+    # the format is chosen on the whole step over the row counts (geometric mean), not on one row count
+    fmt, steps = choose_format(t, counts, ("fp16", "bf16"), LAYOUTS)
+    assert fmt == "bf16" and steps["fp16"][1] == pytest.approx(4 * 0.9) and steps["bf16"][2] == pytest.approx(1.2)
+    t.update({("8x8", r, "bf16-onednn"): 1.2 for r in (1, 2, 4)})
+    assert make_plan("fast", t, counts, available=LAYOUTS).fmt == "fp16"
+    # a tie between formats goes to the one with fp32 activations
+    t.update({("8x8", r, "bf16-onednn"): 0.9 for r in (1, 2, 4)})
+    assert make_plan("fast", t, counts, available=LAYOUTS).fmt == "fp16"
+
+
+def test_row_counts_between_timed_ones_take_the_next_timed_choice_up_and_more_take_f_linear():
+    plan = make_plan("exact", stub({1: "xwt", 2: "wxt", 4: "onednn"}), {"8x8": 1}, available=LAYOUTS)
+    assert [plan.layout_for("8x8", r) for r in (1, 2, 3, 4, 5)] == ["xwt", "wxt", "onednn", "onednn", "linear"]
+
+
+@pytest.mark.parametrize("fbgemm, bf16, fast", [
+    (True, False, "fast: fp16 weights or fp32, whichever measures fastest here"),
+    (True, True, "fast: fp16 weights or bf16 or fp32, whichever measures fastest here"),
+    (False, False, "fast: fp32 (no fp16-weight kernel and no AVX-512 BF16/AMX on this CPU)")])
+def test_what_a_mode_says_before_any_model_was_prepared(monkeypatch, fbgemm, bf16, fast):
+    names = ("linear", "wxt") + (("fp16w",) if fbgemm else ()) + (("bf16-linear",) if bf16 else ())
+    monkeypatch.setattr(layouts, "available_layouts", lambda: names)
     monkeypatch.setattr(kernels, "fp16_weights_available", lambda: fbgemm)
-    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(kernels, "_LATEST", {})
     assert mode_dtype("exact") == (torch.float32, "exact: fp32")
-    assert mode_dtype("fast") == fast
+    assert mode_dtype("fast") == (torch.float32, fast)
     with pytest.raises(ValueError, match="exact, fast"):
         mode_dtype("turbo")
 
 
-def test_row_fitted_linear_equals_f_linear_for_every_row_count():
-    from tr_core.kernels import ROW_FITTED_MAX_ROWS, RowFittedLinear
-    torch.manual_seed(0)
-    for bias in (False, True):
-        layer = torch.nn.Linear(48, 80, bias=bias)
-        fitted = torch.nn.Linear(48, 80, bias=bias)
-        fitted.load_state_dict(layer.state_dict())
-        fitted.__class__ = RowFittedLinear
-        for rows in (1, 2, 3, 5, 8, 33, ROW_FITTED_MAX_ROWS, ROW_FITTED_MAX_ROWS + 1):
-            for shape in ((rows, 48), (1, rows, 48)):
-                x = torch.randn(*shape)
-                out = fitted(x)
-                assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
-                torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+def test_the_fast_sentence_names_the_format_and_how_much_faster_it_measured():
+    t = {("8x8", r, name): ms for r in (1, 16) for name, ms in (("linear", 4.0), ("fp16w", 2.0), ("bf16-linear", 1.0))}
+    plan = make_plan("fast", t, {"8x8": 1}, available=LAYOUTS)
+    said = kernels.describe_format(plan)
+    assert said.startswith("fast: bf16 (") and said.endswith(
+        "chosen by measurement: a 16-token step's linear layers 2.0x faster than fp16 weights, 4.0x than fp32")
 
 
-def test_fit_linears_touches_only_fp32_body_linears_and_keeps_the_outputs():
-    from tr_core.kernels import RowFittedLinear, fit_linears
+# --- every layout computes the linear layer ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_equals_f_linear_within_its_formats_rounding(name):
+    layout = LAYOUTS[name]
+    if name not in available_layouts():
+        pytest.skip(f"{layout.label} is not available on this platform")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(80, 48, generator=g) / 48 ** 0.5
+    dtype = layouts.FORMAT_DTYPE[layout.fmt]
+    packed = layout.pack(weight.to(dtype))
+    for rows in (1, 2, 3, 5, 8, 33, 81):
+        x = torch.randn(rows, 48, generator=g)
+        out = layout.run(x.to(dtype), packed)
+        assert out.shape == (rows, 80) and out.is_contiguous() and out.dtype == dtype
+        tol = ROUNDING[layout.fmt]
+        torch.testing.assert_close(out.float(), torch.nn.functional.linear(x, weight), rtol=tol, atol=tol)
+
+
+def plans_forcing_each_layout(model, mode):
+    """For each available layout of the mode's formats, a plan choosing it for every shape and row count."""
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    for name in available_layouts():
+        if LAYOUTS[name].fmt in layouts.mode_formats(mode):
+            t = {(s, r, other): 1.0 if other == name else 2.0 for s in counts for r in (1, 2, 4, 8)
+                 for other in available_layouts()}
+            yield name, make_plan(mode, t, counts, available_layouts())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 40])
+def test_a_prepared_model_computes_what_the_model_computes_for_every_exact_layout(rows):
+    reference = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, reference.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+    want = reference(input_ids=ids).logits
+    for name, plan in plans_forcing_each_layout(reference, "exact"):
+        model = tiny_model("llama", dtype=torch.float32)
+        prepare_model(model, "exact", plan=plan)
+        assert all(type(m) is not torch.nn.Linear for m in model.base_model.modules())
+        hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+        torch.testing.assert_close(OutputHead(model)(hidden)[None], want, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_exact_greedy_decoding_through_each_chosen_layout_equals_plain_decoding():
+    from tr_core.decoding import run
+    from tr_core.drafters import PlainDrafter, RecyclingDrafter
+    from tr_core.matrix import AdjacencyMatrix
+    from tr_core.tree import load_template
+    prompt = [3, 17, 42, 8, 99, 5]
+    expected = reference_greedy(tiny_model("llama", dtype=torch.float32), prompt, 12)
+    for name, plan in plans_forcing_each_layout(tiny_model("llama", dtype=torch.float32), "exact"):
+        model = tiny_model("llama", dtype=torch.float32)
+        prepare_model(model, "exact", plan=plan)
+        assert prepare_model(model, "exact") is plan  # idempotent: prepared once
+        assert run(model, prompt, PlainDrafter(), 12).token_ids == expected, name
+        matrix = AdjacencyMatrix(model.config.vocab_size, 8)
+        assert run(model, prompt, RecyclingDrafter(matrix, load_template("small")), 12).token_ids == expected, name
+
+
+@pytest.mark.skipif("onednn" not in available_layouts(), reason="no oneDNN linear in this torch build")
+def test_the_table_and_summary_say_what_was_chosen():
     model = tiny_model("llama", dtype=torch.float32)
-    ids = torch.tensor([[1, 5, 9, 2, 7]])
-    before = model(input_ids=ids).logits
-    n = fit_linears(model)
-    assert n == sum(isinstance(m, RowFittedLinear) for m in model.base_model.modules()) > 0
-    assert fit_linears(model) == n  # idempotent
-    assert not isinstance(model.get_output_embeddings(), RowFittedLinear)  # the head has its own kernels
-    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
-    assert fit_linears(tiny_model("llama")) == 0  # the float64 test models keep torch's own kernels
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    t = {(s, r, name): 1.0 + (name != {1: "linear", 2: "wxt", 4: "wxt", 8: "onednn"}[r]) for s in counts
+         for r in (1, 2, 4, 8) for name in ("linear", "wxt", "onednn")}
+    prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear", "wxt", "onednn")))
+    table = kernels.kernel_table(model)
+    assert len(table) == len(counts) * 4 and {row["shape"] for row in table} == set(counts)
+    row = next(r for r in table if r["shape"] == "head" and r["rows"] == 2)
+    assert row == {"shape": "head", "layers": 1, "rows": 2, "chosen": "wxt", "label": "(W @ x^T)^T",
+                   "timings": {"linear": 2.0, "wxt": 1.0, "onednn": 2.0}}
+    assert kernels.kernel_summary(model).startswith(
+        "exact (fp32): body F.linear for 1 row, (W @ x^T)^T for 2-4, oneDNN prepacked for 5-8; output layer F.linear")
+    assert kernels.kernel_table(tiny_model("llama")) == []  # float64: torch's own kernels
+
+
+def test_the_timings_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    busy = [False]
+
+    def fake_measure(model, names, report_busy, **kw):
+        calls.append(list(names))
+        return {(s, r, n): 1.0 for s in linear_shapes(model) for r in (1, 2) for n in names}, busy[0]
+    monkeypatch.setattr(layouts, "measure", fake_measure)
+    model = tiny_model("llama", dtype=torch.float32)
+    first = layouts.kernel_plan(model, "exact")
+    second = layouts.kernel_plan(model, "exact")
+    assert len(calls) == 1 and all(LAYOUTS[n].fmt == "fp32" for n in calls[0])
+    assert first.source == "measured here" and second.source == "cached" and first.layouts == second.layouts
+    assert len(list((tmp_path / "token-recycling" / "kernels").glob("*.json"))) == 1
+    layouts.kernel_plan(model, "fast")  # another mode, other candidates: measured apart
+    assert len(calls) == 2
+    # timings taken while other processes competed for the cores are used but not cached
+    busy[0] = True
+    noisy = tiny_model("llama", dtype=torch.float32)
+    noisy.config._name_or_path = "another"
+    assert "busy" in layouts.kernel_plan(noisy, "exact").source and "busy" in layouts.kernel_plan(noisy, "exact").source
+    assert len(calls) == 4 and len(list((tmp_path / "token-recycling" / "kernels").glob("*.json"))) == 2
+
+
+def test_measuring_times_every_shape_row_count_and_layout():
+    model = tiny_model("llama", dtype=torch.float32)
+    names = [n for n in available_layouts() if LAYOUTS[n].fmt == "fp32"]
+    t = layouts.measure(model, names, rows=(1, 3), rounds=1)
+    assert set(t) == {(s, r, n) for s in linear_shapes(model) for r in (1, 3) for n in names}
+    assert all(ms > 0 for ms in t.values())
 
 
 def test_a_compiled_body_is_what_decoding_runs_and_the_output_stays_greedy():
@@ -88,52 +235,47 @@ def test_a_compiled_body_is_what_decoding_runs_and_the_output_stays_greedy():
 
 
 @needs_fbgemm
-def test_fp16_weight_linear_rounds_only_the_weights():
-    from tr_core.kernels import Fp16WeightLinear
-    torch.manual_seed(0)
-    for bias in (False, True):
-        layer = torch.nn.Linear(48, 80, bias=bias)
-        packed = Fp16WeightLinear(layer)
-        rounded = torch.nn.Linear(48, 80, bias=bias)
-        rounded.load_state_dict(layer.state_dict())
-        with torch.no_grad():
-            rounded.weight.copy_(layer.weight.half().float())  # what fp16 storage keeps of each weight
-        assert not any(True for _ in packed.parameters())  # the fp32 weight is not kept
-        for shape in ((1, 48), (2, 48), (1, 7, 48), (33, 48)):
-            x = torch.randn(*shape)
-            out = packed(x)
-            assert out.shape == (*shape[:-1], 80) and out.dtype == torch.float32
-            torch.testing.assert_close(out, rounded(x), rtol=1e-5, atol=1e-5)  # fp32 arithmetic on fp16 weights
-            assert (out - layer(x)).abs().max() > 0  # ...which are not the fp32 weights
-        x = torch.randn(8, 48)  # a row computes the same alone and in a batch, to float rounding
-        torch.testing.assert_close(packed(x), torch.cat([packed(x[i:i + 1]) for i in range(8)]), rtol=1e-5, atol=1e-5)
-
-
-@needs_fbgemm
-def test_fast_mode_packs_the_body_and_the_head_and_stays_greedy():
-    from conftest import reference_greedy
+def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy():
     from tr_core.decoding import run
     from tr_core.drafters import PlainDrafter, RecyclingDrafter
-    from tr_core.kernels import Fp16WeightLinear, has_fp16_weights, pack_fp16_weights, prepare_model
+    from tr_core.kernels import ChosenLinear, has_fp16_weights
     from tr_core.matrix import AdjacencyMatrix
     from tr_core.tree import load_template
     model = tiny_model("llama", dtype=torch.float32)
-    linears = sum(type(m) is torch.nn.Linear for m in model.base_model.modules())
-    prompt = [3, 17, 42, 8, 99, 5]
-    prepare_model(model, "fast")
-    assert has_fp16_weights(model) and pack_fp16_weights(model) == linears  # all of them, once (idempotent)
-    assert not isinstance(model.get_output_embeddings(), Fp16WeightLinear)  # the head is OutputHead's
-    head = OutputHead(model)
-    hidden = torch.randn(3, model.config.hidden_size)
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    plan = make_plan("fast", {(s, r, "fp16w"): 1.0 for s in counts for r in (1, 4)}, counts, ("fp16w",))
     w16 = model.get_output_embeddings().weight.detach().half().float()
-    torch.testing.assert_close(head(hidden), hidden @ w16.t(), rtol=1e-5, atol=1e-5)
+    prompt = [3, 17, 42, 8, 99, 5]
+    prepare_model(model, "fast", plan=plan)
+    assert plan.fmt == "fp16" and has_fp16_weights(model) and kernels.half_precision(model) == "fp16"
+    layer = model.base_model.layers[0].mlp.up_proj
+    assert isinstance(layer, ChosenLinear) and layer.weight is None  # the fp32 weight is not kept
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(OutputHead(model)(hidden), hidden @ w16.t(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(8, layer.in_features)  # a row computes the same alone and in a batch, to float rounding
+    torch.testing.assert_close(layer(x), torch.cat([layer(x[i:i + 1]) for i in range(8)]), rtol=1e-5, atol=1e-5)
     expected = reference_greedy(model, prompt, 12)  # transformers' generate on the packed model
-    assert run(model, prompt, PlainDrafter(), 12, head=head).token_ids == expected
+    assert run(model, prompt, PlainDrafter(), 12).token_ids == expected
     matrix = AdjacencyMatrix(model.config.vocab_size, 8)
-    assert run(model, prompt, RecyclingDrafter(matrix, load_template("small")), 12, head=head).token_ids == expected
-    exact = tiny_model("llama", dtype=torch.float32)
-    prepare_model(exact, "exact")
-    assert not has_fp16_weights(exact)
+    assert run(model, prompt, RecyclingDrafter(matrix, load_template("small")), 12).token_ids == expected
+
+
+@pytest.mark.skipif("bf16-linear" not in available_layouts(), reason="no native bf16 (AVX-512 BF16/AMX) here")
+def test_the_bf16_format_converts_the_model_and_computes_within_bf16_rounding():
+    model = tiny_model("llama", dtype=torch.float32)
+    reference = tiny_model("llama", dtype=torch.float32)
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    names = [n for n in available_layouts() if LAYOUTS[n].fmt == "bf16"]
+    for name in names:
+        t = {(s, r, n): 1.0 if n == name else 2.0 for s in counts for r in (1, 4) for n in names}
+        model = tiny_model("llama", dtype=torch.float32)
+        prepare_model(model, "fast", plan=make_plan("fast", t, counts, names))
+        assert model.dtype == torch.bfloat16 and kernels.half_precision(model) == "bf16"
+        ids = torch.tensor([[1, 5, 9, 2]])
+        hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+        want = reference(input_ids=ids).logits[0]
+        got = OutputHead(model)(hidden).float()
+        assert (got - want).abs().max() < 0.1 * want.abs().max(), name
 
 
 def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from tr_core.decoding import _tree_mask
-from tr_core.kernels import body, fp16_weights_available
+from tr_core.kernels import body
 from tr_core.kv import new_cache
 from tr_core.lean import LeanLlama, supports
 from tr_core.tree import build_tree, load_template
@@ -50,13 +50,15 @@ def test_decoding_runs_the_lean_forward_only_where_it_applies():
     assert not supports(gpt2) and body(gpt2) is gpt2.base_model
 
 
-@pytest.mark.skipif(not fp16_weights_available(), reason="this torch build has no fbgemm fp16-weight linear")
 def test_lean_forward_follows_linears_swapped_after_it_was_made():
-    from tr_core.kernels import Fp16WeightLinear, pack_fp16_weights
+    from tr_core.kernels import ChosenLinear, prepare_model
+    from tr_core.layouts import linear_shapes, make_plan
     model = tiny_model("llama", dtype=torch.float32)
     lean = body(model)
-    pack_fp16_weights(model)
-    assert isinstance(model.base_model.layers[0].self_attn.q_proj, Fp16WeightLinear)
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    timings = {(s, r, n): 1.0 if n == "wxt" else 2.0 for s in counts for r in (1, 4) for n in ("linear", "wxt")}
+    prepare_model(model, "exact", plan=make_plan("exact", timings, counts, ("linear", "wxt")))
+    assert isinstance(model.base_model.layers[0].self_attn.q_proj, ChosenLinear)
     with torch.inference_mode():
         ids = torch.tensor([[1, 2, 3, 4]])
         want = model.base_model(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state

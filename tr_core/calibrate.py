@@ -27,29 +27,23 @@ from transformers import PreTrainedModel
 
 from .assets import ACCEPTANCE_DIR, acceptance_path
 from .decoding import _max_positions, _tree_mask
-from .kernels import OutputHead, RowFittedLinear, body, grouped_query_attention_in_sdpa, has_fp16_weights, is_compiled
+from .kernels import OutputHead, body, grouped_query_attention_in_sdpa, is_compiled, plan_of
+from .layouts import cpu_name
 from .kv import new_cache
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+_cpu_name = cpu_name  # the name this module used before layouts.py had it
 
 
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
-    # the output-layer kernels of kernels.OutputHead, and whether the body runs kernels.RowFittedLinear; bump the
-    # version when the forward path changes
-    kernels = "head4-gqa-lean" + ("-rowfit2" if any(isinstance(m, RowFittedLinear) for m in model.modules()) else "")
-    kernels += "-fp16w" if has_fp16_weights(model) else ""
+    # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement);
+    # bump the version when the forward path changes
+    plan = plan_of(model)
+    kernels = "gqa-lean-" + (plan.tag() if plan is not None else "torch")
     kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else _cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
@@ -258,3 +252,51 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size)
     fitted.context = context
     return fitted
+
+
+def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> str:
+    """The kernel table of ``mode`` for ``model`` (fp32, unprepared), as text: per shape and row count the chosen
+    layout and every candidate's time (ms of one call, this machine), then each format's linear time of a step."""
+    from .kernels import LAYOUTS
+    from .layouts import kernel_plan
+
+    plan = kernel_plan(model, mode, remeasure=remeasure)
+    lines = [f"{mode}: format {plan.fmt} ({plan.source}; {torch.get_num_threads()} threads, {_cpu_name()})"]
+    for shape, by_rows in plan.layouts.items():
+        names = sorted(plan.timings[shape][plan.rows[0]], key=list(LAYOUTS).index)
+        lines.append(f"  {shape} x{plan.counts[shape]}: rows  " + "  ".join(f"{n:>12}" for n in names) + "  chosen")
+        for r in plan.rows:
+            t = plan.timings[shape][r]
+            lines.append(f"  {'':>{len(shape) + len(str(plan.counts[shape])) + 2}}{r:>6}  "
+                         + "  ".join(f"{t[n]:>12.3f}" if n in t else f"{'-':>12}" for n in names)
+                         + f"  {by_rows[r]}")
+    for fmt, steps in plan.step_ms.items():
+        lines.append(f"  step ms, {fmt} (linear layers, best layouts): "
+                     + ", ".join(f"{r}: {ms:.1f}" for r, ms in sorted(steps.items())))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tr_core.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this machine
+    for the embedded model."""
+    import argparse
+
+    from .kernels import MODES
+    from .models import load_model
+
+    p = argparse.ArgumentParser(prog="python -m tr_core.calibrate", description=main.__doc__)
+    p.add_argument("--show", action="store_true", help="print the chosen kernel table (measured once, then cached)")
+    p.add_argument("--mode", choices=MODES, action="append", help="one mode (default: both)")
+    p.add_argument("--model", default=None, help="hub id or folder (default: the embedded model)")
+    p.add_argument("--remeasure", action="store_true", help="time the layouts again (and cache the new timings)")
+    args = p.parse_args(argv)
+    if not args.show:
+        p.error("nothing to do: pass --show")
+    model, _ = load_model(args.model, dtype=torch.float32)
+    for mode in args.mode or MODES:
+        print(show_kernels(model, mode, remeasure=args.remeasure))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,17 +1,16 @@
 """The two numeric modes, for every method alike (plain decoding runs in the same mode as the one it is compared
-with):
+with), and the matmul kernels each runs on:
 
 - ``exact``: fp32, the model's own numerics; outputs equal plain fp32 decoding up to float near-ties.
-- ``fast``: a decoding step on a CPU is memory-bound (every weight is streamed once per step), so the fast mode stores
-  the weights of every linear layer in half the bytes:
+- ``fast``: a decoding step on a CPU is memory-bound (every weight is streamed once per step), so the fast mode may
+  store the weights in half the bytes: fp16 weights with fp32 activations and arithmetic (fbgemm; each weight rounded
+  once, a relative change of at most 2^-11), or bf16 weights and activations where the CPU has AVX-512 BF16 or AMX
+  (activations rounded too). Which one, if either, is chosen by measurement (``layouts.choose_format``).
 
-  - on x86 CPUs (fbgemm): fp16 weights, fp32 activations and fp32 arithmetic (``Fp16WeightLinear``). Each weight is
-    rounded once to fp16 (a relative change of at most 2^-11); nothing else changes. On this project's 2-core AVX2
-    machine the embedded model's 210 body linears took 16 ms for one token against 37 ms in fp32, and 19 ms for 4
-    tree tokens.
-  - elsewhere: bf16 weights and activations. bf16 needs AVX-512 BF16 / AMX to be fast on a CPU: emulated (AVX2) it
-    made a one-token step only ~1.2x faster than fp32 and batched tree forwards slower, and it rounds activations too,
-    so tree and one-token forwards disagree at many near-ties (7 of 30 outputs equal plain bf16 decoding).
+In both modes each linear layer (``ChosenLinear``) and the output layer (``OutputHead``) compute each call with the
+matmul layout timed fastest on this machine for that shape and row count (``layouts.py``: F.linear, (W @ x^T)^T,
+x @ W^T from a transposed copy, oneDNN-prepacked, fbgemm fp16). The timings are taken once per machine, thread count,
+model and mode and cached; ``kernel_table`` and ``kernel_summary`` show the choice.
 """
 
 from __future__ import annotations
@@ -23,66 +22,74 @@ import weakref
 import torch
 from torch import nn
 
+from . import layouts
+from .layouts import HEAD, LAYOUTS, KernelPlan, cpu_has_native_bf16, kernel_plan  # noqa: F401 (re-exported)
+
 MODES = ("exact", "fast")
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU has AVX-512 BF16 or AMX."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 @functools.cache
 def fp16_weights_available() -> bool:
     """True where this torch build has fbgemm's fp16-weight linear (x86 CPUs with AVX2)."""
-    try:
-        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(4, 8), None)
-        return torch.ops.quantized.linear_dynamic_fp16(torch.ones(3, 8), packed).shape == (3, 4)
-    except (AttributeError, RuntimeError):
-        return False
+    return "fp16w" in layouts.available_layouts()
 
 
-def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    # the C++ operator itself where there is one: calling the op's packet, or even its overload, first checks in
-    # Python whether to dispatch in Python (for tracing), microseconds a call, 210 calls a step of the embedded model
-    global _fp16_op
-    if torch.compiler.is_compiling():  # a compiled body traces the overload
-        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
-    if _fp16_op is None:
-        overload = torch.ops.quantized.linear_dynamic_fp16.default
-        _fp16_op = getattr(overload, "_op", overload)
-    return _fp16_op(x, packed)
+# mode -> the sentence of the latest model prepared in that mode in this process: what the mode runs on this machine
+# (the format is chosen per machine and model, after the model is loaded, so ``mode_dtype`` cannot know it before)
+_LATEST: dict[str, str] = {}
 
 
-_fp16_op = None  # the C++ operator of fbgemm's fp16-weight linear, found on first use
-
-
-def mode_dtype(mode: str) -> tuple[torch.dtype, str]:
-    """The dtype a mode loads the model in, and a sentence saying what the mode means on this machine."""
+def mode_dtype(mode: str, model: nn.Module | None = None) -> tuple[torch.dtype, str]:
+    """The dtype a mode loads the model in (fp32: the fast mode measures its formats on the fp32 model and converts
+    it in ``prepare_model`` where bf16 is chosen), and a sentence saying what the mode runs on this machine: that of
+    ``model`` once prepared, else of the latest model prepared in that mode, else what it will choose among."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    plan = _PLANS.get(model) if model is not None else None
+    if plan is not None and plan.mode == mode:
+        return torch.float32, describe_format(plan)
+    if mode in _LATEST:
+        return torch.float32, _LATEST[mode]
     if mode == "exact":
         return torch.float32, "exact: fp32"
-    if fp16_weights_available():
-        return torch.float32, "fast: fp16 weights, fp32 arithmetic"
-    native = "native" if cpu_has_native_bf16() else "emulated: no AVX-512 BF16/AMX on this CPU"
-    return torch.bfloat16, f"fast: bf16 ({native})"
+    half = [name for name, ok in (("fp16 weights", fp16_weights_available()),
+                                  ("bf16", "bf16-linear" in layouts.available_layouts())) if ok]
+    if not half:
+        return torch.float32, "fast: fp32 (no fp16-weight kernel and no AVX-512 BF16/AMX on this CPU)"
+    return torch.float32, f"fast: {' or '.join(half + ['fp32'])}, whichever measures fastest here"
 
 
-def prepare_model(model: nn.Module, mode: str) -> None:
-    """Put the model's linear layers on the kernels of ``mode`` (in place; idempotent). ``fast`` on an fp32 CPU model
-    stores its linear weights in fp16 (``pack_fp16_weights``); otherwise fp32 CPU models get ``fit_linears``. CPU
-    models also get ``grouped_query_attention_in_sdpa``."""
-    if model.get_output_embeddings().weight.device.type == "cpu":
-        grouped_query_attention_in_sdpa()
-    if mode == "fast" and fp16_weights_available() and _fp32_cpu(model):
-        pack_fp16_weights(model)
-    else:
-        fit_linears(model)
+FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights, fp32 arithmetic", "bf16": "bf16"}
+
+
+def _bf16_unit() -> str:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    return "AMX" if " amx_bf16" in flags else "AVX-512 BF16"
+
+
+def _format_name(fmt: str) -> str:
+    return f"bf16 ({_bf16_unit()})" if fmt == "bf16" else FORMAT_NAMES[fmt]
+
+
+def describe_format(plan: KernelPlan, rows: int = 16) -> str:
+    """``"exact: fp32"`` or, for the fast mode, which format it runs and why, e.g. ``"fast: bf16 (AMX), chosen by
+    measurement: a 16-token step's linear layers 1.9x faster than fp16 weights, 2.8x than fp32"`` (their time in a
+    step of ``rows`` tokens, or the nearest timed row count below)."""
+    if plan.mode == "exact":
+        return "exact: fp32"
+    others = [f for f in plan.step_ms if f != plan.fmt and plan.step_ms[f]]
+    if not others:
+        return f"fast: {_format_name(plan.fmt)} (the only format this CPU runs fast)"
+    mine = plan.step_ms[plan.fmt]
+    n = max((r for r in mine if r <= rows), default=min(mine))
+    short = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16"}
+    ratios = [(plan.step_ms[f][n] / mine[n], short[f]) for f in others if n in plan.step_ms[f]]  # runner-up first
+    said = ", ".join(f"{r:.1f}x {'faster' if r >= 1 else 'slower'} than {name}" if i == 0 else f"{r:.1f}x than {name}"
+                     for i, (r, name) in enumerate(sorted(ratios)))
+    return f"fast: {_format_name(plan.fmt)}, chosen by measurement: a {n}-token step's linear layers {said}"
 
 
 # transformers' switch for SDPA's own grouped-query attention when a mask is given (transformers.integrations.
@@ -105,162 +112,183 @@ def grouped_query_attention_in_sdpa() -> None:
     os.environ.setdefault(GQA_SWITCH, "1")
 
 
+def _runner(layout: str, weight: torch.Tensor, packs: dict[str, torch.Tensor]):
+    if layout not in packs:
+        packs[layout] = LAYOUTS[layout].pack(weight)
+    return LAYOUTS[layout].run, packs[layout]
+
+
+def _dispatch(plan: KernelPlan, shape: str, weight: torch.Tensor) -> tuple[list, tuple]:
+    """Per row count 0..max timed rows, the (run, packed weight) to call; and the one for more rows. Packs only what
+    the chosen layouts need (one copy per layout)."""
+    packs: dict[str, torch.Tensor] = {}
+    large = _runner(layouts.DEFAULT_LAYOUT[plan.fmt], weight, packs)
+    table = [large] + [_runner(plan.layout_for(shape, r), weight, packs) for r in range(1, max(plan.rows) + 1)]
+    return table, large
+
+
+class ChosenLinear(nn.Module):
+    """A linear layer computing each call with the layout its ``KernelPlan`` chose for the call's row count.
+
+    Keeps the layer's weight and bias parameters (fp32, or bf16 in the bf16 format) and the copies the chosen layouts
+    need (a transposed or oneDNN-prepacked weight); in the fp16 format only the fp16-packed weight (the fp32 one is
+    dropped: the model takes about half its fp32 memory). Made by ``apply_plan``."""
+
+    def __init__(self, linear: nn.Linear, plan: KernelPlan):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.fmt = plan.fmt
+        weight = linear.weight.detach()
+        if plan.fmt == "fp16":
+            self.register_parameter("weight", None)
+            self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), False)
+        else:
+            self.weight, self.bias = linear.weight, linear.bias
+        self._table, self._large = _dispatch(plan, f"{self.out_features}x{self.in_features}", weight)
+        shape = f"{self.out_features}x{self.in_features}"
+        self.layouts = sorted({plan.layout_for(shape, r) for r in plan.rows} | {layouts.DEFAULT_LAYOUT[plan.fmt]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        run, packed = self._table[rows] if rows < len(self._table) else self._large
+        out = run(x.reshape(rows, self.in_features).contiguous(), packed)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}: {', '.join(self.layouts)}"
+
+
+# model -> its KernelPlan, once prepared; kept beside the model, not in it
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, KernelPlan]" = weakref.WeakKeyDictionary()
+# model -> its output layer's dispatch (per-row-count table, beyond), made with the plan
+_HEADS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
 def _fp32_cpu(model: nn.Module) -> bool:
     weight = model.get_output_embeddings().weight
     return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` prepacked for oneDNN's linear, or None where this torch build or CPU cannot run it."""
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        probe = torch.ops.mkldnn._linear_pointwise(torch.ones(3, weight.shape[1]), packed, None, "none", [], "")
-        if probe.shape != (3, weight.shape[0]):
-            return None
-        return packed
-    except (AttributeError, RuntimeError):
+def prepare_model(model: nn.Module, mode: str, plan: KernelPlan | None = None) -> KernelPlan | None:
+    """Put the model's linear layers and output layer on the kernels of ``mode`` (in place; idempotent): for an fp32
+    CPU model, the plan measured on this machine (``layouts.kernel_plan``: cached, else timed now), or ``plan``;
+    where it chose bf16 the model is converted to bf16. Other dtypes and devices keep torch's own kernels (returns
+    None). CPU models also get ``grouped_query_attention_in_sdpa``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if model.get_output_embeddings().weight.device.type == "cpu":
+        grouped_query_attention_in_sdpa()
+    if model in _PLANS:
+        return _PLANS[model]
+    if not _fp32_cpu(model):
         return None
+    plan = plan or kernel_plan(model, mode)
+    apply_plan(model, plan)
+    return plan
+
+
+def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
+    """Replace every ``nn.Linear`` of ``model.base_model`` by a ``ChosenLinear`` following ``plan``, and make the
+    output layer's dispatch (``OutputHead``); convert the model to bf16 first where the plan's format is bf16."""
+    if plan.fmt == "bf16":
+        model.to(torch.bfloat16)
+    for parent in list(model.base_model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                setattr(parent, name, ChosenLinear(child, plan))
+    _HEADS[model] = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
+    _PLANS[model] = plan
+    _LATEST[plan.mode] = describe_format(plan)
+
+
+def plan_of(model: nn.Module) -> KernelPlan | None:
+    """The plan the model was prepared with (None: torch's own kernels)."""
+    return _PLANS.get(model)
+
+
+def has_fp16_weights(model: nn.Module) -> bool:
+    """True where the model runs the fp16-weight format (its body's fp32 weights are gone)."""
+    plan = _PLANS.get(model)
+    return plan is not None and plan.fmt == "fp16"
+
+
+def half_precision(model: nn.Module) -> str | None:
+    """``"fp16"`` or ``"bf16"`` where the model runs a half-precision format, else None."""
+    plan = _PLANS.get(model)
+    return plan.fmt if plan is not None and plan.fmt != "fp32" else None
 
 
 class OutputHead:
-    """The model's output layer, computed with the matmul layout that is fastest for the number of rows.
+    """The model's output layer, computed with the layout its plan chose for the number of rows (``prepare_model``;
+    an unprepared model's with F.linear).
 
     The engine runs the base model (``model.base_model``) and applies this head to its final hidden states, so the
-    output layer is computed only for the positions it needs (none at prefill). On CPUs (fp32), for the 49,152 x 576
-    output layer of the embedded model, followed by the step's argmax and top-8 (measured alone, ms):
-
-    ======  ========  ===============  =================
-    rows    F.linear  (W @ h^T)^T      oneDNN prepacked
-    ======  ========  ===============  =================
-    2       19.9      6.1              7.7
-    4       22.1      8.8              12.5
-    8       23.3      15.8             14.0
-    16      26.5      21.2             15.4
-    32      46.5      32.9             26.2
-    81      58.4      73.2             51.4
-    ======  ========  ===============  =================
-
-    and for one row (no top-k) ``h @ W^T`` from a transposed copy took 5.4 ms against 11.2 for F.linear. So: one
-    row from the transposed copy, 2-5 rows as ``(W @ h^T)^T``, more rows through oneDNN where this torch build has it
-    (else ``(W @ h^T)^T``, made contiguous so that the argmax and top-k read rows). Same maths, other summation order:
-    results agree to float rounding.
-    """
-
-    ONEDNN_MIN_ROWS = 6
+    output layer is computed only for the positions it needs (none at prefill). Cheap to make: the packed weights
+    are made once per model, by ``apply_plan``."""
 
     def __init__(self, model: torch.nn.Module):
         head = model.get_output_embeddings()
         self.weight = head.weight  # (V, d), shared with the input embedding when tied
         self.bias = getattr(head, "bias", None)
-        # the layouts were chosen by fp32 timings; emulated bf16 matmuls behave differently (a one-row bf16 product
-        # from the transposed copy was measured several times slower), so other dtypes keep F.linear
-        self.on_cpu = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
-        # a model in the fast mode (fp16 weights in its body) gets an fp16 output layer too: 2.2 ms for one row
-        # against 4.7 (fp32, transposed copy), 2.7 against 8.2 for 4 rows, 9 against 19 for 16 (argmax/top-8 included)
-        self._fp16 = (torch.ops.quantized.linear_prepack_fp16(self.weight.detach(), None)
-                      if self.on_cpu and has_fp16_weights(model) else None)
-        self._transposed = (self.weight.detach().t().contiguous()
-                            if self.on_cpu and self._fp16 is None else None)  # (d, V), one copy
-        self._packed = _onednn_pack(self.weight.detach()) if self.on_cpu and self._fp16 is None else None
+        self._dispatch = _HEADS.get(model)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` (n, d) -> logits (n, V), contiguous."""
-        rows = hidden.shape[0]
-        if not self.on_cpu:
+        if self._dispatch is None:
             logits = torch.nn.functional.linear(hidden, self.weight)
-        elif self._fp16 is not None:
-            logits = _linear_fp16(hidden.contiguous(), self._fp16)
-        elif rows == 1:
-            logits = hidden @ self._transposed
-        elif rows >= self.ONEDNN_MIN_ROWS and self._packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self._packed, None, "none", [], "")
         else:
-            logits = (self.weight @ hidden.t()).t()
-            if rows >= self.ONEDNN_MIN_ROWS:
-                logits = logits.contiguous()
+            table, large = self._dispatch
+            rows = hidden.shape[0]
+            run, packed = table[rows] if rows < len(table) else large
+            logits = run(hidden.contiguous(), packed)
         return logits + self.bias if self.bias is not None else logits
 
 
-# Rows up to which the body's linears use the weight-streaming layout (below); prefill chunks keep F.linear.
-ROW_FITTED_MAX_ROWS = 128
-# Row counts computed as a larger count: over the embedded model's 210 body linears (fp32, (W @ x^T)^T, fastest of 3
-# rounds, ms) 2 rows took 33.1, 3 rows 42.4, 4 rows 33.5, 5 rows 38.0; so 3 rows are computed as 4
-ROW_PADDING = {3: 4}
+def kernel_table(model: nn.Module) -> list[dict]:
+    """The prepared model's choice as plain data: one row per shape and timed row count, with ``shape``
+    (``"<out>x<in>"`` or ``"head"``), ``layers`` (how many), ``rows``, ``chosen`` (layout name), ``label`` (what it
+    computes) and ``timings`` (layout -> ms of one call). Empty for an unprepared model."""
+    plan = _PLANS.get(model)
+    if plan is None:
+        return []
+    return [{"shape": s, "layers": plan.counts[s], "rows": r, "chosen": plan.layouts[s][r],
+             "label": LAYOUTS[plan.layouts[s][r]].label, "timings": dict(plan.timings[s][r])}
+            for s in plan.layouts for r in plan.rows]
 
 
-class RowFittedLinear(nn.Linear):
-    """A ``nn.Linear`` whose forward picks the matmul layout by the number of rows, for fp32 on CPUs.
-
-    A decoding step streams every weight from memory once, so a forward over a few tree tokens should cost about what
-    one token costs. torch's ``F.linear`` does not get there: over the embedded model's 210 body linears, streamed
-    from memory, it took ~36 ms for one row but 55-75 ms for 2-8 rows, while ``(W @ x^T)^T`` (the weight as the
-    row-major left operand, the activations as a transposed view) took 31-44 ms for 2-5 rows and 55-60 ms for 6-16.
-    One row keeps ``F.linear`` (as fast, and the exact numerics of plain decoding). Same maths: results agree to float
-    rounding. Applied in place by ``fit_linears``; the parameters are untouched.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features if x.dim() > 1 else 1
-        if rows < 2 or rows > ROW_FITTED_MAX_ROWS:
-            return super().forward(x)
-        flat = x.reshape(rows, self.in_features)
-        if rows in ROW_PADDING:  # a row count the matmul handles slowly: compute a few zero rows more, then drop them
-            flat = torch.cat([flat, flat.new_zeros(ROW_PADDING[rows] - rows, self.in_features)])
-        # a contiguous result: the next layer's matmul would take the slow path on a transposed view
-        out = torch.mm(self.weight, flat.t())[:, :rows].t().contiguous()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+def _ranges(by_rows: list[tuple[int, str]]) -> str:
+    """``[(1, "linear"), (2, "wxt"), (4, "wxt"), (8, "onednn")] -> "F.linear for 1 row, (W @ x^T)^T for 2-4, oneDNN
+    prepacked for 5-8"``: a row count between timed ones takes the next timed choice up (``KernelPlan.layout_for``)."""
+    parts, lo = [], 1
+    for i, (r, name) in enumerate(by_rows):
+        if i + 1 < len(by_rows) and by_rows[i + 1][1] == name:
+            continue
+        span = f"{lo} row{'s' if lo > 1 else ''}" if r == lo else f"{lo}-{r}"
+        parts.append(f"{LAYOUTS[name].label} for {span}")
+        lo = r + 1
+    return ", ".join(parts)
 
 
-def fit_linears(model: nn.Module) -> int:
-    """Switch the plain ``nn.Linear`` layers of ``model.base_model`` to ``RowFittedLinear`` where the weights are fp32
-    on the CPU (other dtypes and devices keep their own kernels). Idempotent; returns how many layers use it."""
-    count = 0
-    for module in model.base_model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-            module.__class__ = RowFittedLinear
-        if type(module) is RowFittedLinear:
-            count += 1
-    return count
-
-
-class Fp16WeightLinear(nn.Module):
-    """A linear layer whose weight is stored in fp16, packed for fbgemm; activations, accumulation and output stay
-    fp32. Replaces a ``nn.Linear`` in ``pack_fp16_weights``. Its fp32 weight is dropped (the model takes about half
-    the memory of its fp32 copy).
-
-    The same row computes the same way alone or in a batch up to float rounding (one fp16 product of an 8-row batch
-    was measured within 1.3e-4 of the rows computed one at a time), as with fp32's own kernels.
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-        self._packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float().contiguous(), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = _linear_fp16(flat.contiguous(), self._packed)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp16 weights"
-
-
-def pack_fp16_weights(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model.base_model`` by an ``Fp16WeightLinear`` (the output layer is
-    ``OutputHead``'s). Idempotent; returns how many layers are packed."""
-    for parent in list(model.base_model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
-                setattr(parent, name, Fp16WeightLinear(child))
-    return sum(isinstance(m, Fp16WeightLinear) for m in model.base_model.modules())
-
-
-def has_fp16_weights(model: nn.Module) -> bool:
-    return any(isinstance(m, Fp16WeightLinear) for m in model.base_model.modules())
+def kernel_summary(model: nn.Module) -> str:
+    """One line: the mode's format and, for the body (the layout taking most of its linear time at each row count)
+    and the output layer, which layout runs which row counts; e.g. ``"exact (fp32): body F.linear for 1 row, (W @
+    x^T)^T for 2-5, oneDNN prepacked for 6+; output layer ... (measured here)"``."""
+    plan = _PLANS.get(model)
+    if plan is None:
+        return "torch's own kernels (not an fp32 CPU model)"
+    body = []
+    for r in plan.rows:
+        share: dict[str, float] = {}
+        for s, n in plan.counts.items():
+            if s != HEAD:
+                name = plan.layouts[s][r]
+                share[name] = share.get(name, 0.0) + n * plan.timings[s][r][name]
+        body.append((r, max(share, key=share.get)))
+    head = [(r, plan.layouts[HEAD][r]) for r in plan.rows]
+    return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(body)}; "
+            f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads)")
 
 
 def compile_body(model: nn.Module, backend: str = "inductor") -> None:

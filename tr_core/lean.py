@@ -5,7 +5,7 @@ A decoding step of a small model on a CPU is not all matmul. For the embedded mo
 token) the linear layers took ~14 ms of a ~38 ms step; much of the rest was Python: ~15 module calls per layer, each
 through ``nn.Module.__call__``, the keyword-argument decorators of every attention and decoder layer, the output
 capturing of the model, mask preparation. ``LeanLlama`` runs the layers' own weights and kernels (``q_proj.forward``
-and so on, so the fast mode's fp16 linears and the exact mode's row-fitted ones are used as they are) with the same
+and so on, so the linears' kernels chosen by ``kernels.prepare_model`` are used as they are) with the same
 tensor operations, so its hidden states equal the model's bit for bit (tested against ``generate``).
 
 It takes the model only where its decoder layers are transformers' own Llama ones (``supports``); any other model
@@ -78,8 +78,8 @@ class LeanLlama:
         self.gqa = self.heads != self.kv_heads
 
     def _layers(self):
-        # looked up at every call (a few microseconds), so that layers swapped later (kernels.pack_fp16_weights,
-        # kernels.fit_linears) are the ones used
+        # looked up at every call (a few microseconds), so that layers swapped later (kernels.apply_plan) are the
+        # ones used
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             yield (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,

@@ -1,0 +1,422 @@
+"""Matmul layouts for a linear layer on a CPU: the candidates, their timing where the code runs, and the choice.
+
+One decoding step streams every weight from memory once, so a forward over a few tree tokens should cost about what
+one token costs; which matmul layout gets there depends on the CPU (``../shared/FACTS.md``: the layout that made
+t(2) = t(1) on an AVX2 machine doubled t(2) on an AMX one). So nothing here is tuned by hand:
+
+1. ``measure`` times every candidate layout for each distinct linear shape of a model and each row count decoding uses
+   (rounds interleaved over row counts and layouts, medians), streaming the model's own weights as decoding does;
+2. ``choose_layouts`` and ``choose_format`` are pure functions of those timings (tested with stubbed numbers);
+3. ``kernel_plan`` caches the timings per machine, thread count, model and mode (``default_cache_dir()/kernels``) and
+   returns the choice as a ``KernelPlan`` (plain data), which ``kernels.apply_plan`` puts into the model.
+
+Formats: ``fp32`` (exact mode: only these), ``fp16`` (fbgemm: fp16 weights, fp32 activations and arithmetic) and
+``bf16`` (bf16 weights and activations; a candidate only where the CPU has AVX-512 BF16 or AMX: emulated bf16 was
+slower than fp32 for tree forwards, and it rounds activations too, so only the fast mode may choose it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# Row counts timed: one token (plain decoding) up to the largest shipped tree (the paper's, 81 nodes). A row count in
+# between takes the choice of the next timed count above it; more rows (a prefill) take the format's F.linear.
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
+# Two timings within this fraction of each other are a tie (the machines drift by more than this within minutes):
+# the tie goes to the layout earlier in ``LAYOUTS`` (fewer extra weight copies, torch's own kernel first), and
+# between formats to the one earlier in ``FORMATS`` (fp32, then fp16, which keeps fp32 activations).
+TIE = 0.03
+FORMATS = ("fp32", "fp16", "bf16")
+HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
+# bump when the measuring or the candidates change: cached timings of another version are measured again
+VERSION = 2
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU has AVX-512 BF16 or AMX."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    # the C++ operator itself where there is one: calling the op's packet, or even its overload, first checks in
+    # Python whether to dispatch in Python (for tracing), microseconds a call, 210 calls a step of the embedded model
+    global _fp16_op
+    if torch.compiler.is_compiling():  # a compiled body traces the overload
+        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+    if _fp16_op is None:
+        overload = torch.ops.quantized.linear_dynamic_fp16.default
+        _fp16_op = getattr(overload, "_op", overload)
+    return _fp16_op(x, packed)
+
+
+_fp16_op = None  # the C++ operator of fbgemm's fp16-weight linear, found on first use
+
+
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous()
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w, 1)
+
+
+def _fp16_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.quantized.linear_prepack_fp16(w.float().contiguous(), None)
+
+
+def _f_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def _w_xt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # the weight as the row-major left operand, the activations as a transposed view; the result made contiguous,
+    # since the next layer's matmul takes a slow path on a transposed view
+    return torch.mm(w, x.t()).t().contiguous()
+
+
+def _x_wt(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, wt)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to compute ``x (rows, in) -> x @ W^T (rows, out)``, contiguous, without the bias.
+
+    ``pack`` turns the weight (out, in), in the format's dtype (fp32 for ``fp16``), into what ``run`` reads: the
+    weight itself, or a copy the layout keeps beside it."""
+    name: str
+    fmt: str
+    label: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    copies: bool  # whether ``pack`` makes a copy of the weight
+
+
+def _layouts() -> dict[str, Layout]:
+    out = {}
+    for fmt, prefix, note in (("fp32", "", ""), ("bf16", "bf16-", "bf16 ")):
+        out[prefix + "linear"] = Layout(prefix + "linear", fmt, f"{note}F.linear", _same, _f_linear, False)
+        out[prefix + "wxt"] = Layout(prefix + "wxt", fmt, f"{note}(W @ x^T)^T", _same, _w_xt, False)
+        out[prefix + "xwt"] = Layout(prefix + "xwt", fmt, f"{note}x @ W^T (transposed copy)", _transposed, _x_wt,
+                                     True)
+        out[prefix + "onednn"] = Layout(prefix + "onednn", fmt, f"{note}oneDNN prepacked", _onednn_pack, _onednn,
+                                        True)
+        if fmt == "fp32":
+            out["fp16w"] = Layout("fp16w", "fp16", "fbgemm fp16 weights", _fp16_pack, _linear_fp16, True)
+    return out
+
+
+# in order of preference at a tie (see TIE)
+LAYOUTS: dict[str, Layout] = _layouts()
+FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bfloat16}  # activations and the model
+DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear"}  # beyond the timed row counts
+
+
+@functools.cache
+def available_layouts() -> tuple[str, ...]:
+    """The layouts this torch build and CPU can run, each checked against F.linear on a small product."""
+    names = []
+    g = torch.Generator().manual_seed(0)
+    w32, x32 = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
+    for name, layout in LAYOUTS.items():
+        if layout.fmt == "bf16" and not cpu_has_native_bf16():
+            continue
+        dtype = FORMAT_DTYPE[layout.fmt]
+        w, x = w32.to(dtype), x32.to(dtype)
+        try:
+            got = layout.run(x, layout.pack(w))
+        except (AttributeError, RuntimeError, NotImplementedError):
+            continue
+        tol = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}[layout.fmt]
+        if got.shape == (3, 24) and torch.allclose(got.float(), F.linear(x32, w32), rtol=tol, atol=tol):
+            names.append(name)
+    return tuple(names)
+
+
+def mode_formats(mode: str) -> tuple[str, ...]:
+    """The formats a mode chooses among: exact only fp32; fast any (fp32 too, where nothing else is faster)."""
+    return ("fp32",) if mode == "exact" else FORMATS
+
+
+# --- choosing: pure functions of the timings --------------------------------------------------------------------
+
+Timings = Mapping[tuple[str, int, str], float]  # (shape, rows, layout) -> ms of one call (one layer)
+
+
+def choose_layouts(timings: Timings, available: Iterable[str]) -> dict[tuple[str, int], str]:
+    """For each (shape, rows) timed, the fastest available layout; a tie (within ``TIE``) goes to the layout earlier
+    in ``LAYOUTS``. A layout without a timing or not in ``available`` is never chosen.
+
+    >>> choose_layouts({("8x8", 2, "linear"): 3.0, ("8x8", 2, "wxt"): 2.0, ("8x8", 2, "onednn"): 1.0},
+    ...                available=("linear", "wxt"))
+    {('8x8', 2): 'wxt'}
+    >>> choose_layouts({("8x8", 1, "linear"): 1.02, ("8x8", 1, "wxt"): 1.0}, available=("linear", "wxt"))
+    {('8x8', 1): 'linear'}
+    """
+    available = set(available)
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    groups: dict[tuple[str, int], list[tuple[str, float]]] = {}
+    for (shape, rows, layout), ms in timings.items():
+        if layout in available:
+            groups.setdefault((shape, rows), []).append((layout, ms))
+    chosen = {}
+    for key, candidates in sorted(groups.items()):
+        best = min(ms for _, ms in candidates)
+        near = [layout for layout, ms in candidates if ms <= best * (1 + TIE)]
+        chosen[key] = min(near, key=lambda name: order.get(name, len(order)))
+    return chosen
+
+
+def format_step_ms(timings: Timings, counts: Mapping[str, int], fmt: str,
+                   available: Iterable[str]) -> dict[int, float]:
+    """The linear layers' time of one model step (ms) at each timed row count, in format ``fmt`` with its best
+    layouts: sum over shapes of (layers of that shape) x (the chosen layout's time). Row counts where some shape has
+    no timed layout of the format are left out."""
+    mine = {name for name in available if name in LAYOUTS and LAYOUTS[name].fmt == fmt}
+    chosen = choose_layouts(timings, mine)
+    rows = sorted({r for _, r in chosen})
+    step = {}
+    for r in rows:
+        if all((shape, r) in chosen for shape in counts):
+            step[r] = sum(n * timings[(shape, r, chosen[(shape, r)])] for shape, n in counts.items())
+    return step
+
+
+def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable[str],
+                  available: Iterable[str]) -> tuple[str, dict[str, dict[int, float]]]:
+    """The format (of ``formats``) with the least total model-step time over the row counts decoding uses, and every
+    candidate format's step times. Totals compare as a geometric mean over the row counts (each row count weighs as
+    a relative speed: a format twice as fast at 81 rows and 10% slower at 1 is not judged by the 81 alone); only
+    formats timed at every row count that any format was timed at compete; a tie (within ``TIE``) goes to the format
+    earlier in ``FORMATS``.
+
+    >>> t = {("8x8", 1, "linear"): 2.0, ("8x8", 1, "fp16w"): 1.0, ("8x8", 4, "linear"): 4.0, ("8x8", 4, "fp16w"): 2.0}
+    >>> choose_format(t, {"8x8": 3}, ("fp32", "fp16"), ("linear", "fp16w"))[0]
+    'fp16'
+    """
+    available = tuple(available)
+    steps = {fmt: format_step_ms(timings, counts, fmt, available) for fmt in formats}
+    steps = {fmt: s for fmt, s in steps.items() if s}
+    if not steps:
+        raise ValueError("no format has timings for every shape")
+    rows = set().union(*steps.values())
+    complete = {fmt: s for fmt, s in steps.items() if set(s) == rows}
+    score = {fmt: statistics.fmean(math.log(ms) for ms in s.values()) for fmt, s in complete.items()}
+    best = min(score.values())
+    near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
+    return min(near, key=FORMATS.index), steps
+
+
+# --- measuring ---------------------------------------------------------------------------------------------------
+
+def linear_shapes(model: nn.Module) -> dict[str, list[nn.Linear]]:
+    """The model's linear layers by shape: ``"<out>x<in>"`` -> the body's ``nn.Linear`` layers of that shape (in
+    model order), and ``HEAD`` -> [the output layer]."""
+    shapes: dict[str, list[nn.Linear]] = {}
+    for module in model.base_model.modules():
+        if isinstance(module, nn.Linear):
+            shapes.setdefault(f"{module.out_features}x{module.in_features}", []).append(module)
+    shapes[HEAD] = [model.get_output_embeddings()]
+    return shapes
+
+
+# fp32 bytes of body weights one timing pass streams: larger than any CPU cache seen here, so weights come from memory
+# as in decoding (where the whole model streams between two uses of a layer), and small enough for a quick pass
+STREAM_BYTES = 128 << 20
+
+
+def _sample(layers: list[nn.Linear], fraction: float) -> list[torch.Tensor]:
+    keep = max(1, round(len(layers) * fraction))
+    step = len(layers) / keep
+    return [layers[int(i * step)].weight.detach() for i in range(keep)]
+
+
+@torch.inference_mode()
+def measure(model: nn.Module, layouts: Iterable[str], rows: Iterable[int] = ROW_COUNTS, rounds: int = 5,
+            budget_s: float = 20.0, report_busy: bool = False):
+    """Time (ms of one call of one layer) of each layout for each linear shape of ``model`` (an fp32 CPU model) and
+    row count: the median of every call timed. A round runs, for each row count and layout in turn, one pass over a
+    sample of the body's own layers of every shape (``STREAM_BYTES`` of weights, evenly spread over the model) and the
+    output layer, each call timed apart; so a slow spell of the machine hits every layout alike, and the median drops
+    a call the scheduler stalled. Round 0 warms up; rounds stop once ``budget_s`` is spent (at least one is timed).
+    Returns {(shape, rows, layout): ms}, and with ``report_busy`` also whether other processes competed for the cores
+    meanwhile (``machine_busy``)."""
+    layouts, rows = list(layouts), list(rows)
+    shapes = linear_shapes(model)
+    body_bytes = sum(l.weight.numel() * 4 for s, ls in shapes.items() if s != HEAD for l in ls)
+    fraction = min(1.0, STREAM_BYTES / max(body_bytes, 1))
+    weights = {s: [ls[0].weight.detach()] if s == HEAD else _sample(ls, fraction) for s, ls in shapes.items()}
+    packs = {name: {s: [LAYOUTS[name].pack(w.to(FORMAT_DTYPE[LAYOUTS[name].fmt])) for w in ws]
+                    for s, ws in weights.items()} for name in layouts}
+    g = torch.Generator().manual_seed(0)
+    inputs = {(s, r, fmt): torch.randn(r, ws[0].shape[1], generator=g).to(FORMAT_DTYPE[fmt])
+              for s, ws in weights.items() for r in rows for fmt in FORMATS}
+    times: dict[tuple[str, int, str], list[float]] = {}
+    load: list[int] = []  # runnable threads of the machine, sampled after each row count (see machine_busy)
+    clock = time.perf_counter
+    start = clock()
+    for round_ in range(rounds + 1):
+        for r in rows:
+            for name in layouts:
+                layout = LAYOUTS[name]
+                run = layout.run
+                for s, ps in packs[name].items():
+                    x = inputs[(s, r, layout.fmt)]
+                    samples = times.setdefault((s, r, name), [])
+                    for p in ps:
+                        t0 = clock()
+                        run(x, p)
+                        if round_:
+                            samples.append((clock() - t0) * 1e3)
+            running = runnable_threads()
+            if running is not None:
+                load.append(running)
+        if round_ and clock() - start > budget_s:
+            break
+    timings = {key: statistics.median(ts) for key, ts in times.items()}
+    return (timings, machine_busy(load)) if report_busy else timings
+
+
+def runnable_threads() -> int | None:
+    """How many threads of the whole machine are runnable now (``procs_running`` of /proc/stat, this process's own
+    included), or None where there is no /proc/stat."""
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("procs_running"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def machine_busy(samples: list[int]) -> bool:
+    """Whether other processes competed for the cores while timing: in most samples of ``runnable_threads`` more
+    threads were runnable than this process's torch threads, plus one for the sampling thread itself.
+
+    >>> machine_busy([2, 3, 2]), machine_busy([5, 6, 2])  # with 2 torch threads
+    (False, True)
+    """
+    return bool(samples) and statistics.median(samples) > torch.get_num_threads() + 1
+
+
+# --- the plan: cached timings and the choice made from them -------------------------------------------------------
+
+@dataclass
+class KernelPlan:
+    """What ``kernels.apply_plan`` puts into a model, as plain data: the format, and for each shape (``"<out>x<in>"``
+    or ``HEAD``) and timed row count the chosen layout; with the timings it was chosen from."""
+    mode: str
+    fmt: str
+    rows: tuple[int, ...]
+    layouts: dict[str, dict[int, str]]  # shape -> rows -> layout name
+    counts: dict[str, int]  # shape -> layers of that shape
+    timings: dict[str, dict[int, dict[str, float]]]  # shape -> rows -> layout -> ms of one call
+    step_ms: dict[str, dict[int, float]]  # format -> rows -> the linear layers' ms of one step (best layouts)
+    source: str = "measured here"  # or "cached": measured by an earlier process on this machine
+
+    def layout_for(self, shape: str, rows: int) -> str:
+        """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them F.linear."""
+        for r in self.rows:
+            if r >= rows:
+                return self.layouts[shape][r]
+        return DEFAULT_LAYOUT[self.fmt]
+
+    def tag(self) -> str:
+        """A short name of the choice, for cache keys of what depends on it (e.g. t(N))."""
+        digest = json.dumps([self.fmt, sorted((s, sorted(c.items())) for s, c in self.layouts.items())])
+        return f"{self.fmt}-{hashlib.sha1(digest.encode()).hexdigest()[:8]}"
+
+
+def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available: Iterable[str],
+              source: str = "measured here") -> KernelPlan:
+    """The plan for ``mode`` from timings (pure): the format by ``choose_format``, then per shape and row count the
+    fastest layout of that format (``choose_layouts``)."""
+    available = tuple(available)
+    fmt, steps = choose_format(timings, counts, mode_formats(mode), available)
+    chosen = choose_layouts(timings, [n for n in available if LAYOUTS[n].fmt == fmt])
+    rows = tuple(sorted({r for _, r in chosen}))
+    layouts = {s: {r: chosen[(s, r)] for r in rows} for s in counts}
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for (s, r, name), ms in timings.items():
+        table.setdefault(s, {}).setdefault(r, {})[name] = ms
+    return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source)
+
+
+def cache_key(model: nn.Module, mode: str) -> str:
+    """What the timings depend on: the model (name and linear shapes), its dtype, the mode's candidates, the CPU,
+    the thread count and the torch build."""
+    name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
+    shapes = "_".join(f"{s}x{len(ls)}" if s != HEAD else f"h{ls[0].out_features}"
+                      for s, ls in sorted(linear_shapes(model).items()))
+    dtype = str(model.get_output_embeddings().weight.dtype).removeprefix("torch.")
+    raw = (f"v{VERSION}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}-t{torch.get_num_threads()}"
+           f"-torch{torch.__version__}")
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)[:240]
+
+
+def cache_path(model: nn.Module, mode: str) -> Path:
+    from .models import default_cache_dir
+    return default_cache_dir() / "kernels" / f"{cache_key(model, mode)}.json"
+
+
+def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
+                **measure_kw) -> KernelPlan:
+    """The plan for ``model`` (fp32, on the CPU) in ``mode``: from this machine's cached timings, else (or with
+    ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and cached."""
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
+    path = cache_path(model, mode)
+    if use_cache_file and not remeasure and path.is_file():
+        data = json.loads(path.read_text())
+        timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"]}
+        return make_plan(mode, timings, counts, data["available"], source="cached")
+    timings, busy = measure(model, layouts, report_busy=True, **measure_kw)
+    if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
+        # time slice while other processes ran): used by this process, measured again by the next
+        return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached")
+    if use_cache_file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                                    "timings": [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]},
+                                   indent=0))
+    return make_plan(mode, timings, counts, layouts)
+
+
+def plan_data(plan: KernelPlan) -> dict:
+    """The plan as JSON-ready data."""
+    return json.loads(json.dumps(asdict(plan)))
