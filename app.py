@@ -29,13 +29,14 @@ from ui.errors import user_errors  # noqa: E402
 from ui.explain import build_tab as explain_tab  # noqa: E402
 from ui.inputs import MAX_NEW_TOKENS, TOP_K, InputError, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
-from ui.page import CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
+from ui.page import (BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER,  # noqa: E402
+                     TREE_PLACEHOLDER)
 from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
                        history_html, lanes_html, race_table_html)
 from ui.run import RACE_METHODS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
 from ui.settings import Settings, tree_choices  # noqa: E402
-from visualize import matrix_figure, race_figure, tree_figure  # noqa: E402
+from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -57,7 +58,7 @@ DEFAULT_TREE = "small"
 # exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: a separate copy of the model, loaded
 # on first use, with its linear weights stored in fp16 (fp32 arithmetic) on x86 CPUs, bf16 elsewhere (tr_core.kernels)
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (fp16 weights)"}
-LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history")
+LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot")
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history")
 
 
@@ -76,6 +77,11 @@ def placeholder(text: str) -> go.Figure:
 def _step_slider(n: int, value: int | None = None) -> gr.Slider:
     return gr.Slider(minimum=0, maximum=max(1, n - 1), value=n - 1 if value is None else value, step=1,
                      interactive=n > 1, label=f"Step ({n} in this run): drag to see any step")
+
+
+def budget_view(event) -> go.Figure:
+    """The step's tree budget (expected tokens/s against tree size), or what the chart would show."""
+    return budget_figure(event) if event.budget is not None else placeholder(BUDGET_PLACEHOLDER)
 
 
 def _prepared(run, failed: tuple):
@@ -98,7 +104,7 @@ def live_frame(snap: Snapshot, text, figures: bool, session: Session) -> tuple:
                   session=session)
     if (figures or snap.done) and last:
         values.update(tree_plot=tree_figure(last, text), matrix_plot=matrix_figure(last, text),
-                      step=_step_slider(len(snap.events)))
+                      step=_step_slider(len(snap.events)), budget_plot=budget_view(last))
     if snap.done:
         values["history"] = history_html(session.history)
     return _out(LIVE_OUTPUTS, **values)
@@ -169,17 +175,17 @@ class Handlers:
         of its latest run, never from a model."""
         live = session.live
         if live is None or not live.events:
-            return gr.skip(), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         event = live.events[check_step(index, len(live.events))]
         return (answer_html(live.events, current=event.step), tree_figure(event, live.token_text),
-                matrix_figure(event, live.token_text))
+                matrix_figure(event, live.token_text), budget_view(event))
 
     @user_errors
     def play(self, index: float, session: Session):
         """Start the step player, from the first step when the slider stands at the last."""
         n = len(session.live.events) if session.live else 0
         if n < 2:
-            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         start = 0 if int(index) >= n - 1 else int(index)
         return (gr.Timer(active=True), _step_slider(n, start), *self.view_step(start, session))
 
@@ -187,7 +193,7 @@ class Handlers:
     def tick(self, index: float, session: Session):
         n = len(session.live.events) if session.live else 0
         if int(index) + 1 >= n:
-            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         return (gr.Timer(), _step_slider(n, int(index) + 1), *self.view_step(int(index) + 1, session))
 
     def reset(self):
@@ -195,7 +201,7 @@ class Handlers:
         session = Session()
         return (session, answer_html([], placeholder="Reset: your matrix starts again from the shipped hot start."),
                 counters_html(Rates()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
-                _step_slider(1, 0), history_html(session.history))
+                placeholder(BUDGET_PLACEHOLDER), _step_slider(1, 0), history_html(session.history))
 
     @user_errors
     def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
@@ -317,6 +323,8 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                                             show_label=False, elem_id="tree-plot")
                 matrix_plot = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="Adjacency-matrix rows the step rewrote",
                                       show_label=False, elem_id="matrix-plot")
+                budget_plot = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="Tree budget: expected tokens/s by size",
+                                      show_label=False, elem_id="budget-plot")
                 with gr.Accordion("Your runs in this session", open=True):
                     history = gr.HTML(history_html([]), elem_id="history")
                 with gr.Accordion("Step events of your latest run and race (JSON, as the command line's --trace "
@@ -341,15 +349,15 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         model_work = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
         raw = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
         example.input(lambda i: gr.skip() if i is None else examples[i], example, prompt, api_visibility="private")
-        live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history]
+        live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot]
         run.click(h.live, settings, live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
         # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
         stop.click(h.stop, None, None, api_name="stop", queue=False)
-        reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, step, history],
+        reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, budget_plot, step, history],
                     api_name="reset")
-        step.input(h.view_step, [step, session], [answer, tree_plot, matrix_plot], api_name="step",
+        step.input(h.view_step, [step, session], [answer, tree_plot, matrix_plot, budget_plot], api_name="step",
                    trigger_mode="always_last", show_progress="hidden", **raw)
-        frame = [timer, step, answer, tree_plot, matrix_plot]
+        frame = [timer, step, answer, tree_plot, matrix_plot, budget_plot]
         play.click(h.play, [step, session], frame, api_visibility="private", show_progress="hidden")
         pause.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
         timer.tick(h.tick, [step, session], frame, api_visibility="private", show_progress="hidden")

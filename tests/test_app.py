@@ -152,15 +152,22 @@ def test_tree_choices_list_the_fitted_tree_then_every_template(tmp_path):
 def test_the_tree_note_says_what_the_run_drafts_with():
     tree = SimpleNamespace(size=10, name="auto")
     fitted = SimpleNamespace(predicted_speedup=1.234, context=256)
-    assert tree_note(SimpleNamespace(tree=tree, fitted=fitted), "auto") == \
+    assert tree_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=False), "auto") == \
         "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step over a " \
         "256-token context)"
+    assert tree_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=True), "auto").startswith(
+        "tree auto: starts at 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step "
+        "over a 256-token context), then sizes each step's tree by the step times it measures")
     small = SimpleNamespace(size=13, name="small")
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "auto") == \
         "tree auto: no acceptance statistics for this model, so the small tree (12 draft nodes)"
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "small") == "tree small: 12 draft nodes"
-    empty = SimpleNamespace(tree=SimpleNamespace(size=1, name="auto"), fitted=fitted)
-    assert tree_note(empty, "auto").startswith("tree auto: no draft nodes: on this machine, verifying even one")
+    empty = SimpleNamespace(tree=SimpleNamespace(size=1, name="auto"), fitted=fitted, adaptive=False)
+    assert tree_note(empty, "auto").startswith("tree auto: no draft nodes to start with: on this machine, verifying")
+    assert tree_note(empty, "auto").endswith("so the fitted tree is plain decoding; pick another tree to watch drafting")
+    empty.adaptive = True
+    assert tree_note(empty, "auto").endswith("then sizes each step's tree by the step times it measures (the "
+                                             "tree-budget chart shows why)")
 
 
 def fake_engine(vocab: int, k: int, name: str = "org/My-Model"):
@@ -417,6 +424,17 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
     assert json.loads(shown[1]["plot"])["layout"]["title"]["text"].startswith("step 0 (tr, tree small)")
+
+
+def test_the_auto_tree_shows_its_budget_at_every_step(client):
+    final = client.predict(PROMPT, 12, "auto", 8, True, "", api_name="/live")
+    assert "sizes each step's tree by the step times it measures" in visible_text(final[1])
+    title = json.loads(final[-1]["plot"])["layout"]["title"]["text"]
+    assert re.match(r"step \d+: \d+ draft nodes", title), title
+    shown = client.predict(0, api_name="/step")  # any step of the run: its own budget
+    assert json.loads(shown[3]["plot"])["layout"]["title"]["text"].startswith("step 0: ")
+    small = client.predict(PROMPT, 8, "small", 8, True, "", api_name="/live")  # a fixed tree has no budget
+    assert "auto tree" in json.loads(small[-1]["plot"])["layout"]["annotations"][0]["text"]
 
 
 def test_fast_mode_decodes_on_its_own_fp16_weight_copy_of_the_model(client, app_models):

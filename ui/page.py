@@ -20,6 +20,8 @@ TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last tok
                     "proposed,<br>the path the model accepted, and the bonus token it added itself.")
 MATRIX_PLACEHOLDER = ("The adjacency-matrix rows each step rewrote appear here: before (where the drafts came from)<br>"
                       "and after (the model's new top-k candidates at each tree node).")
+BUDGET_PLACEHOLDER = ("With the auto tree, Token Recycling picks each step's tree size itself: the expected tokens per "
+                      "second of every size, from its own measured steps, appear here.")
 RACE_PLACEHOLDER = "Tokens produced against time, one line per method, as measured, appear here."
 
 CSS = """

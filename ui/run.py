@@ -32,20 +32,24 @@ RACE_METHODS = ("plain", "pld", "tr")
 
 
 def tree_note(engine: Engine, requested: str) -> str:
-    """What tree a run drafts with, e.g. ``"tree auto: 9 draft nodes fitted to this machine (predicted 1.3× over
-    plain decoding, per step over a 256-token context)"``."""
+    """What tree a run drafts with, e.g. ``"tree auto: starts at 9 draft nodes fitted to this machine (predicted 1.3×
+    over plain decoding, per step over a 256-token context), then sizes each step's tree by the step times it
+    measures (...)"``."""
     nodes = f"{engine.tree.size - 1} draft nodes"
     if requested != AUTO:
         return f"tree {requested}: {nodes}"
     fitted = engine.fitted
     if fitted is None:
         return f"tree auto: no acceptance statistics for this model, so the {engine.tree.name} tree ({nodes})"
+    adapts = ", then sizes each step's tree by the step times it measures (the tree-budget chart shows why)"
     if engine.tree.size == 1:
-        return ("tree auto: no draft nodes: on this machine, verifying even one draft token costs more than it is "
-                "expected to save, so the fitted tree is plain decoding; pick another tree to watch drafting")
+        start = ("tree auto: no draft nodes to start with: on this machine, verifying even one draft token was "
+                 "expected to cost more than it saves")
+        return start + (adapts if engine.adaptive else ", so the fitted tree is plain decoding; pick another tree "
+                                                       "to watch drafting")
     where = f", per step over a {fitted.context}-token context" if isinstance(fitted.context, int) else ""
-    return (f"tree auto: {nodes} fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain "
-            f"decoding{where})")
+    fit = f"fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where})"
+    return f"tree auto: starts at {nodes} {fit}{adapts}" if engine.adaptive else f"tree auto: {nodes} {fit}"
 
 
 class Every:
