@@ -99,7 +99,8 @@ def test_the_fast_sentence_names_the_format_and_how_much_faster_it_measured():
     plan = make_plan("fast", t, {"8x8": 1}, available=LAYOUTS)
     said = kernels.describe_format(plan)
     assert said.startswith("fast: bf16 (") and said.endswith(
-        "chosen by measurement: a 16-token step's linear layers 2.0x faster than fp16 weights, 4.0x than fp32")
+        "chosen by measurement: linear layers 2.0x faster than fp16 weights, 4.0x than fp32 (steps of 1-16 tokens, "
+        "geometric mean)")
 
 
 # --- every layout computes the linear layer ---------------------------------------------------------------------
@@ -288,3 +289,12 @@ def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():
     key = value = torch.zeros(1, 2, 10, 16)
     mask = torch.zeros(1, 1, 3, 10)
     assert use_gqa_in_sdpa(mask, key, value), "transformers no longer reads the switch: tree steps copy the cache"
+
+
+def test_the_format_is_chosen_on_the_row_counts_a_cpu_decodes_with():
+    # fp16 weights faster up to 8 rows, bf16 from 12 on, by far at 81: the fast mode keeps fp16 (FORMAT_MAX_ROWS)
+    t = {("8x8", r, "fp16w"): float(r) for r in (1, 2, 4, 8, 12, 16, 32, 81)}
+    t.update({("8x8", r, "bf16-linear"): 3 + r / 2 for r in (1, 2, 4, 8, 12, 16, 32, 81)})
+    assert choose_format(t, {"8x8": 1}, ("fp16", "bf16"), LAYOUTS)[0] == "fp16"
+    t.update({("8x8", r, "bf16-linear"): 0.9 * r for r in (1, 2, 4, 8, 12, 16, 32, 81)})
+    assert choose_format(t, {"8x8": 1}, ("fp16", "bf16"), LAYOUTS)[0] == "bf16"

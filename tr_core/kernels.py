@@ -16,6 +16,7 @@ model and mode and cached; ``kernel_table`` and ``kernel_summary`` show the choi
 from __future__ import annotations
 
 import functools
+import math
 import os
 import weakref
 
@@ -74,22 +75,25 @@ def _format_name(fmt: str) -> str:
     return f"bf16 ({_bf16_unit()})" if fmt == "bf16" else FORMAT_NAMES[fmt]
 
 
-def describe_format(plan: KernelPlan, rows: int = 16) -> str:
+def describe_format(plan: KernelPlan) -> str:
     """``"exact: fp32"`` or, for the fast mode, which format it runs and why, e.g. ``"fast: bf16 (AMX), chosen by
-    measurement: a 16-token step's linear layers 1.9x faster than fp16 weights, 2.8x than fp32"`` (their time in a
-    step of ``rows`` tokens, or the nearest timed row count below)."""
+    measurement: linear layers 1.9x faster than fp16 weights, 2.8x than fp32 (steps of 1-16 tokens, geometric
+    mean)"``: the ratios ``layouts.choose_format`` chose by."""
     if plan.mode == "exact":
         return "exact: fp32"
-    others = [f for f in plan.step_ms if f != plan.fmt and plan.step_ms[f]]
-    if not others:
-        return f"fast: {_format_name(plan.fmt)} (the only format this CPU runs fast)"
     mine = plan.step_ms[plan.fmt]
-    n = max((r for r in mine if r <= rows), default=min(mine))
+    rows = [r for r in mine if r <= layouts.FORMAT_MAX_ROWS] or list(mine)
     short = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16"}
-    ratios = [(plan.step_ms[f][n] / mine[n], short[f]) for f in others if n in plan.step_ms[f]]  # runner-up first
-    said = ", ".join(f"{r:.1f}x {'faster' if r >= 1 else 'slower'} than {name}" if i == 0 else f"{r:.1f}x than {name}"
-                     for i, (r, name) in enumerate(sorted(ratios)))
-    return f"fast: {_format_name(plan.fmt)}, chosen by measurement: a {n}-token step's linear layers {said}"
+    ratios = []
+    for fmt, steps in plan.step_ms.items():
+        if fmt != plan.fmt and steps and all(r in steps for r in rows):
+            ratios.append((math.exp(sum(math.log(steps[r] / mine[r]) for r in rows) / len(rows)), short[fmt]))
+    if not ratios:
+        return f"fast: {_format_name(plan.fmt)} (the only format this CPU runs fast)"
+    said = ", ".join((f"{r:.1f}x {'faster' if r >= 1 else 'slower'} than {name}" if i == 0 else
+                      f"{r:.1f}x than {name}") for i, (r, name) in enumerate(sorted(ratios)))  # runner-up first
+    return (f"fast: {_format_name(plan.fmt)}, chosen by measurement: linear layers {said} "
+            f"(steps of {min(rows)}-{max(rows)} tokens, geometric mean)")
 
 
 # transformers' switch for SDPA's own grouped-query attention when a mask is given (transformers.integrations.

@@ -40,6 +40,11 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 # between formats to the one earlier in ``FORMATS`` (fp32, then fp16, which keeps fp32 activations).
 TIE = 0.03
 FORMATS = ("fp32", "fp16", "bf16")
+# The format is chosen on the row counts up to this: plain decoding's one row and the trees a CPU verifies (the fitted
+# trees here have had 2-16 nodes). Over every timed count up to 81, bf16 won on an AVX-512 BF16 EPYC (linears of a
+# 16-row step 21 ms against 28 with fp16 weights) and the fast mode's whole one-token step went from 19 to 31 ms
+# (bf16 linears 16 ms against 10.5 for one row, and every other op in bf16 too): slower decoding for trees under ~12.
+FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
 # bump when the measuring or the candidates change: cached timings of another version are measured again
 VERSION = 2
@@ -222,7 +227,8 @@ def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable
     """The format (of ``formats``) with the least total model-step time over the row counts decoding uses, and every
     candidate format's step times. Totals compare as a geometric mean over the row counts (each row count weighs as
     a relative speed: a format twice as fast at 81 rows and 10% slower at 1 is not judged by the 81 alone); only
-    formats timed at every row count that any format was timed at compete; a tie (within ``TIE``) goes to the format
+    row counts above ``FORMAT_MAX_ROWS`` do not count; only formats timed at every row count that any format was timed at
+    compete; a tie (within ``TIE``) goes to the format
     earlier in ``FORMATS``.
 
     >>> t = {("8x8", 1, "linear"): 2.0, ("8x8", 1, "fp16w"): 1.0, ("8x8", 4, "linear"): 4.0, ("8x8", 4, "fp16w"): 2.0}
@@ -234,8 +240,9 @@ def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable
     steps = {fmt: s for fmt, s in steps.items() if s}
     if not steps:
         raise ValueError("no format has timings for every shape")
-    rows = set().union(*steps.values())
-    complete = {fmt: s for fmt, s in steps.items() if set(s) == rows}
+    rows = {r for r in set().union(*steps.values()) if r <= FORMAT_MAX_ROWS} or set().union(*steps.values())
+    steps_scored = {fmt: {r: ms for r, ms in s.items() if r in rows} for fmt, s in steps.items()}
+    complete = {fmt: s for fmt, s in steps_scored.items() if set(s) == rows}
     score = {fmt: statistics.fmean(math.log(ms) for ms in s.values()) for fmt, s in complete.items()}
     best = min(score.values())
     near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
