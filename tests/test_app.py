@@ -437,14 +437,15 @@ def test_the_auto_tree_shows_its_budget_at_every_step(client):
     assert "auto tree" in json.loads(small[-1]["plot"])["layout"]["annotations"][0]["text"]
 
 
-def test_fast_mode_decodes_on_its_own_fp16_weight_copy_of_the_model(client, app_models):
-    from tr_core.kernels import fp16_weights_available, has_fp16_weights
-    if not fp16_weights_available():
-        pytest.skip("this torch build has no fbgemm fp16-weight linear (fast mode is bf16 here)")
+def test_fast_mode_decodes_on_its_own_copy_in_the_format_measured_fastest(client, app_models):
+    from tr_core.kernels import half_precision, mode_dtype
     final = client.predict(PROMPT, 8, "small", 8, True, "", "fast", api_name="/live")
-    assert "mode fast: fp16 weights, fp32 arithmetic" in final[1] and "finished" in final[1]
-    assert app_models.loaded("", "fast") and has_fp16_weights(app_models.get("", "fast").model)
-    assert not has_fp16_weights(app_models.get("").model)  # exact mode keeps its own fp32 model
+    fast = app_models.get("", "fast").model
+    assert f"mode {mode_dtype('fast', fast)[1]}" in visible_text(final[1]) and "finished" in final[1]
+    assert app_models.loaded("", "fast") and fast is not app_models.get("").model
+    assert half_precision(app_models.get("").model) is None  # exact mode keeps its own fp32 model
+    details = client.predict("", api_name="/load_model")
+    assert "exact (fp32)" in details and "fast (" in details  # the model details name each mode's kernels
 
 
 def test_sessions_do_not_share_runs(client, served):

