@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = build_runners(base, methods, hot)
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
     curve = context_curve(base.model, fit_context)
-    print(f"mode {mode_dtype(args.mode)[1]}{', compiled body' if args.compile else ''}; "
+    print(f"mode {mode_dtype(args.mode, base.model)[1]}{', compiled body' if args.compile else ''}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = list(dict.fromkeys(q.category for q in questions))
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode)[1],
+        "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None,
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
