@@ -33,8 +33,31 @@ def test_the_chooser_picks_the_fastest_layout_per_shape_and_row_count():
     t = stub({1: "linear", 2: "wxt", 4: "onednn"}, shapes=("8x8", "16x8"))
     t[("16x8", 4, "xwt")] = 0.5
     chosen = choose_layouts(t, available=LAYOUTS)
-    assert chosen == {("16x8", 1): "linear", ("16x8", 2): "wxt", ("16x8", 4): "xwt",
+    # 16x8 at 2 rows: xwt on 4 rows (0.5 ms, zero rows added) beats every layout on 2 rows (1 ms)
+    assert chosen == {("16x8", 1): "linear", ("16x8", 2): "xwt@4", ("16x8", 4): "xwt",
                       ("8x8", 1): "linear", ("8x8", 2): "wxt", ("8x8", 4): "onednn"}
+
+
+def test_a_row_count_is_computed_on_more_rows_only_where_that_is_faster_and_at_most_twice_as_many():
+    t = {("8x8", 1, "linear"): 2.0, ("8x8", 2, "wxt"): 1.0, ("8x8", 4, "wxt"): 0.5}
+    chosen = choose_layouts(t, available=LAYOUTS)
+    assert chosen[("8x8", 1)] == "wxt@2"  # 4 rows would be faster still, but more than twice 1 row: not considered
+    assert chosen[("8x8", 2)] == "wxt@4"
+    t[("8x8", 2, "linear")] = 0.51  # within the tie band of the padded choice: the unpadded one wins
+    assert choose_layouts(t, available=LAYOUTS)[("8x8", 2)] == "linear"
+    from tr_core.layouts import layout_label, layout_ms
+    assert layout_ms(t, "8x8", 1, "wxt@2") == 1.0 and layout_label("wxt@2") == "(W @ x^T)^T on 2 rows (zero rows added)"
+
+
+def test_a_padded_layout_gives_the_rows_it_was_called_with_equal_to_f_linear():
+    from tr_core.kernels import _runner
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
+    for name in ("wxt@4", "linear@6", "xwt@5"):
+        run, packed = _runner(name, weight, {})
+        out = run(x, packed)
+        assert out.shape == (3, 24) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_a_tie_goes_to_the_layout_with_fewer_copies_and_noise_within_the_tie_band_is_a_tie():
@@ -61,12 +84,16 @@ def test_exact_mode_chooses_only_fp32_layouts_and_fast_mode_the_fastest_format()
     t.update({("8x8", r, "bf16-onednn"): ms for r, ms in ((1, 1.2), (2, 0.3), (4, 0.3))})
     counts = {"8x8": 4}
     exact = make_plan("exact", t, counts, available=LAYOUTS)
-    assert exact.fmt == "fp32" and {LAYOUTS[n].fmt for c in exact.layouts.values() for n in c.values()} == {"fp32"}
+    from tr_core.layouts import base_layout
+    assert exact.fmt == "fp32" and {LAYOUTS[base_layout(n)].fmt for c in exact.layouts.values()
+                                    for n in c.values()} == {"fp32"}
     fast = make_plan("fast", t, counts, available=LAYOUTS)
-    assert fast.fmt == "bf16" and fast.layouts["8x8"] == {1: "bf16-onednn", 2: "bf16-onednn", 4: "bf16-onednn"}
+    # one row runs as two (0.3 ms against 1.2): zero rows added
+    assert fast.fmt == "bf16" and fast.layouts["8x8"] == {1: "bf16-onednn@2", 2: "bf16-onednn", 4: "bf16-onednn"}
     # the format is chosen on the whole step over the row counts (geometric mean), not on one row count
     fmt, steps = choose_format(t, counts, ("fp16", "bf16"), LAYOUTS)
     assert fmt == "bf16" and steps["fp16"][1] == pytest.approx(4 * 0.9) and steps["bf16"][2] == pytest.approx(1.2)
+    assert steps["bf16"][1] == pytest.approx(1.2)  # the padded choice's time: that of 2 rows
     t.update({("8x8", r, "bf16-onednn"): 1.2 for r in (1, 2, 4)})
     assert make_plan("fast", t, counts, available=LAYOUTS).fmt == "fp16"
     # a tie between formats goes to the one with fp32 activations

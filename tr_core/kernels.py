@@ -116,10 +116,21 @@ def grouped_query_attention_in_sdpa() -> None:
     os.environ.setdefault(GQA_SWITCH, "1")
 
 
+def _padded(run, rows: int):
+    """``run`` on ``rows`` rows: the call's rows, zero rows after them, and only the call's rows of the result (a
+    row-major slice of the first rows: contiguous)."""
+    def call(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        return run(torch.cat([x, x.new_zeros(rows - n, x.shape[1])]), packed)[:n]
+    return call
+
+
 def _runner(layout: str, weight: torch.Tensor, packs: dict[str, torch.Tensor]):
-    if layout not in packs:
-        packs[layout] = LAYOUTS[layout].pack(weight)
-    return LAYOUTS[layout].run, packs[layout]
+    base = layouts.base_layout(layout)
+    if base not in packs:
+        packs[base] = LAYOUTS[base].pack(weight)
+    run, pad = LAYOUTS[base].run, layouts.padded_rows(layout)
+    return (_padded(run, pad) if pad else run), packs[base]
 
 
 def _dispatch(plan: KernelPlan, shape: str, weight: torch.Tensor) -> tuple[list, tuple]:
@@ -127,7 +138,11 @@ def _dispatch(plan: KernelPlan, shape: str, weight: torch.Tensor) -> tuple[list,
     the chosen layouts need (one copy per layout)."""
     packs: dict[str, torch.Tensor] = {}
     large = _runner(layouts.DEFAULT_LAYOUT[plan.fmt], weight, packs)
-    table = [large] + [_runner(plan.layout_for(shape, r), weight, packs) for r in range(1, max(plan.rows) + 1)]
+    table = [large]
+    for r in range(1, max(plan.rows) + 1):
+        name = plan.layout_for(shape, r)
+        pad = layouts.padded_rows(name)
+        table.append(_runner(name if pad is None or pad > r else layouts.base_layout(name), weight, packs))
     return table, large
 
 
@@ -258,7 +273,7 @@ def kernel_table(model: nn.Module) -> list[dict]:
     if plan is None:
         return []
     return [{"shape": s, "layers": plan.counts[s], "rows": r, "chosen": plan.layouts[s][r],
-             "label": LAYOUTS[plan.layouts[s][r]].label, "timings": dict(plan.timings[s][r])}
+             "label": layouts.layout_label(plan.layouts[s][r]), "timings": dict(plan.timings[s][r])}
             for s in plan.layouts for r in plan.rows]
 
 
@@ -270,7 +285,7 @@ def _ranges(by_rows: list[tuple[int, str]]) -> str:
         if i + 1 < len(by_rows) and by_rows[i + 1][1] == name:
             continue
         span = f"{lo} row{'s' if lo > 1 else ''}" if r == lo else f"{lo}-{r}"
-        parts.append(f"{LAYOUTS[name].label} for {span}")
+        parts.append(f"{layouts.layout_label(name)} for {span}")
         lo = r + 1
     return ", ".join(parts)
 
@@ -288,7 +303,8 @@ def kernel_summary(model: nn.Module) -> str:
         for s, n in plan.counts.items():
             if s != HEAD:
                 name = plan.layouts[s][r]
-                share[name] = share.get(name, 0.0) + n * plan.timings[s][r][name]
+                ms = plan.timings[s][layouts.padded_rows(name) or r][layouts.base_layout(name)]
+                share[name] = share.get(name, 0.0) + n * ms
         body.append((r, max(share, key=share.get)))
     head = [(r, plan.layouts[HEAD][r]) for r in plan.rows]
     return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(body)}; "

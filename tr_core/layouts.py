@@ -152,6 +152,34 @@ FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bflo
 DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear"}  # beyond the timed row counts
 
 
+# A row count may be computed as a larger one (zero rows added, then dropped): some matmuls are slower for 1 row
+# than for 2 (a matrix-vector product takes another code path than a matrix-matrix one; seen on an AMD EPYC: a
+# 576x576 layer 0.109 ms for 1 row at best, 0.060 for 2 rows as (W @ x^T)^T). A padded choice is named
+# "<layout>@<rows>"; it is considered up to twice the row count.
+PAD = "@"
+
+
+def base_layout(name: str) -> str:
+    """``"wxt@2" -> "wxt"``; an unpadded name is its own base."""
+    return name.split(PAD, 1)[0]
+
+
+def padded_rows(name: str) -> int | None:
+    """``"wxt@2" -> 2``: the rows a padded choice computes; None for an unpadded one."""
+    return int(name.split(PAD, 1)[1]) if PAD in name else None
+
+
+def layout_label(name: str) -> str:
+    """What a (possibly padded) choice computes, e.g. ``"(W @ x^T)^T on 2 rows (zero rows added)"``."""
+    label = LAYOUTS[base_layout(name)].label
+    return f"{label} on {padded_rows(name)} rows (zero rows added)" if PAD in name else label
+
+
+def layout_ms(timings: Timings, shape: str, rows: int, name: str) -> float:
+    """The time of one call of choice ``name`` for ``rows`` rows: a padded one costs its padded row count's."""
+    return timings[(shape, padded_rows(name) or rows, base_layout(name))]
+
+
 @functools.cache
 def available_layouts() -> tuple[str, ...]:
     """The layouts this torch build and CPU can run, each checked against F.linear on a small product."""
@@ -184,14 +212,18 @@ Timings = Mapping[tuple[str, int, str], float]  # (shape, rows, layout) -> ms of
 
 
 def choose_layouts(timings: Timings, available: Iterable[str]) -> dict[tuple[str, int], str]:
-    """For each (shape, rows) timed, the fastest available layout; a tie (within ``TIE``) goes to the layout earlier
-    in ``LAYOUTS``. A layout without a timing or not in ``available`` is never chosen.
+    """For each (shape, rows) timed, the fastest available layout, also computed on more rows (up to twice as many,
+    zero rows added: ``"<layout>@<rows>"``) where that is faster; a tie (within ``TIE``) goes to the layout earlier in
+    ``LAYOUTS``, an unpadded one before any padded. A layout without a timing or not in ``available`` is never
+    chosen.
 
     >>> choose_layouts({("8x8", 2, "linear"): 3.0, ("8x8", 2, "wxt"): 2.0, ("8x8", 2, "onednn"): 1.0},
     ...                available=("linear", "wxt"))
     {('8x8', 2): 'wxt'}
     >>> choose_layouts({("8x8", 1, "linear"): 1.02, ("8x8", 1, "wxt"): 1.0}, available=("linear", "wxt"))
     {('8x8', 1): 'linear'}
+    >>> choose_layouts({("8x8", 1, "wxt"): 2.0, ("8x8", 2, "wxt"): 1.0}, available=("wxt",))
+    {('8x8', 1): 'wxt@2', ('8x8', 2): 'wxt'}
     """
     available = set(available)
     order = {name: i for i, name in enumerate(LAYOUTS)}
@@ -199,11 +231,19 @@ def choose_layouts(timings: Timings, available: Iterable[str]) -> dict[tuple[str
     for (shape, rows, layout), ms in timings.items():
         if layout in available:
             groups.setdefault((shape, rows), []).append((layout, ms))
+    for (shape, rows), candidates in list(groups.items()):  # the same layouts on up to twice the rows
+        for (other_shape, more), others in list(groups.items()):
+            if other_shape == shape and rows < more <= 2 * rows:
+                candidates += [(f"{layout}{PAD}{more}", ms) for layout, ms in others if PAD not in layout]
+
+    def preference(name: str) -> tuple[int, int, int]:
+        return (PAD in name, padded_rows(name) or 0, order.get(base_layout(name), len(order)))
+
     chosen = {}
     for key, candidates in sorted(groups.items()):
         best = min(ms for _, ms in candidates)
         near = [layout for layout, ms in candidates if ms <= best * (1 + TIE)]
-        chosen[key] = min(near, key=lambda name: order.get(name, len(order)))
+        chosen[key] = min(near, key=preference)
     return chosen
 
 
@@ -218,7 +258,7 @@ def format_step_ms(timings: Timings, counts: Mapping[str, int], fmt: str,
     step = {}
     for r in rows:
         if all((shape, r) in chosen for shape in counts):
-            step[r] = sum(n * timings[(shape, r, chosen[(shape, r)])] for shape, n in counts.items())
+            step[r] = sum(n * layout_ms(timings, shape, r, chosen[(shape, r)]) for shape, n in counts.items())
     return step
 
 
