@@ -56,8 +56,8 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # any draft costs more than it saves: the status line then says so.
 DEFAULT_TREE = "small"
 # exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: a separate copy of the model, loaded
-# on first use, with its linear weights stored in fp16 (fp32 arithmetic) on x86 CPUs, bf16 elsewhere (tr_core.kernels)
-MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (fp16 weights)"}
+# on first use, in the half-precision format measured fastest on this machine (tr_core.layouts); the status says which
+MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot")
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history")
 

@@ -37,7 +37,7 @@ def model_name(model_id: str) -> str:
 
 class ModelCache:
     """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
-    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy with fp16 weights (see ``tr_core.kernels``).
+    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy in the half-precision format measured fastest here (``tr_core.kernels``).
     Keeps the default model in both modes and at most ``keep - 1`` others; loads are serialised so two users never
     load one twice."""
 

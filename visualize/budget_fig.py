@@ -64,7 +64,8 @@ def budget_figure(event: StepEvent) -> go.Figure:
             mark(event.budget, EXPLORED, ORANGE, "diamond", 14)
         else:
             mark(event.budget, CHOSEN, BLUE, "star", 18)
-    fig.update_layout(title=budget_title(event), xaxis_title="draft nodes (tree size, root not counted)",
+    # two lines: the size, then why (a phone-width chart cuts a one-line title)
+    fig.update_layout(title=budget_title(event).replace(", ", ",<br>", 1), xaxis_title="draft nodes (tree size, root not counted)",
                       yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
                       xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
                       yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
