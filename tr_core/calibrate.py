@@ -15,7 +15,6 @@ datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass
