@@ -33,9 +33,6 @@ from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 
 
-_cpu_name = cpu_name  # the name this module used before layouts.py had it
-
-
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
@@ -44,7 +41,7 @@ def machine_key(model: PreTrainedModel) -> str:
     plan = plan_of(model)
     kernels = "gqa-lean-" + (plan.tag() if plan is not None else "torch")
     kernels += "-compiled" if is_compiled(model) else ""
-    device = model.device.type if model.device.type != "cpu" else _cpu_name()
+    device = model.device.type if model.device.type != "cpu" else cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
 
@@ -260,7 +257,7 @@ def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> 
     from .layouts import kernel_plan
 
     plan = kernel_plan(model, mode, remeasure=remeasure)
-    lines = [f"{mode}: format {plan.fmt} ({plan.source}; {torch.get_num_threads()} threads, {_cpu_name()})"]
+    lines = [f"{mode}: format {plan.fmt} ({plan.source}; {torch.get_num_threads()} threads, {cpu_name()})"]
     for shape, by_rows in plan.layouts.items():
         names = sorted(plan.timings[shape][plan.rows[0]], key=list(LAYOUTS).index)
         lines.append(f"  {shape} x{plan.counts[shape]}: rows  " + "  ".join(f"{n:>12}" for n in names) + "  chosen")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import layouts
-from .layouts import HEAD, LAYOUTS, KernelPlan, cpu_has_native_bf16, kernel_plan  # noqa: F401 (re-exported)
+from .layouts import HEAD, LAYOUTS, KernelPlan, kernel_plan
 
 MODES = ("exact", "fast")
 
