@@ -98,7 +98,7 @@ def test_the_loop_calls_update_with_each_nodes_top_k(top_k):
     calls = []
 
     class Recording(PromptLookupDrafter):
-        def update(self, tokens, path, top):
+        def update(self, tokens, path, top, probs):
             calls.append((tokens.clone(), path.clone(), top))
             return []
 
@@ -119,7 +119,7 @@ def test_the_loop_gives_every_drafter_the_forward_time_and_asks_for_its_budget()
     calls = []
 
     class Recording(PromptLookupDrafter):
-        def update(self, tokens, path, top):
+        def update(self, tokens, path, top, probs):
             calls.append("update")
             return []
 
@@ -180,3 +180,22 @@ def test_stop_rule():
 def test_docstring_examples(module):
     failed, tried = doctest.testmod(module)
     assert tried and not failed
+
+
+def test_the_loop_gives_each_nodes_top_k_probabilities_to_a_drafter_that_wants_them():
+    calls = []
+
+    class Recording(PromptLookupDrafter):
+        wants_probs = True
+        top_k = 3
+
+        def update(self, tokens, path, top, probs):
+            calls.append(probs)
+            return []
+
+    model = tiny_model("llama", vocab=16)
+    list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, Recording(), 12))
+    assert calls and all(p.shape[1] == 3 and p.dtype == torch.float32 for p in calls)
+    for probs in calls:
+        assert bool((probs[:, :-1] >= probs[:, 1:]).all()) and bool((probs.sum(dim=1) <= 1 + 1e-5).all())
+    assert PromptLookupDrafter.wants_probs is False  # the others get None: no softmax over the vocabulary

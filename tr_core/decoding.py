@@ -86,6 +86,16 @@ def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return predicted, top
 
 
+def top_probabilities(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The probabilities (n, k) float32 of the ids ``top`` (n, k) under the softmax of each row of ``logits`` (n, V).
+
+    >>> top_probabilities(torch.log(torch.tensor([[0.5, 0.3, 0.2]])), torch.tensor([[0, 2]])).round(decimals=3)
+    tensor([[0.5000, 0.2000]])
+    """
+    logits = logits.float()
+    return (logits.gather(-1, top) - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+
+
 def _tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive 4D mask (1, 1, n, past_len + n): 0 where a node may attend, the dtype's minimum elsewhere."""
     n = tree.size
@@ -196,7 +206,8 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     predicted, top = greedy_and_top_k(logits, drafter.top_k)
     path = accept(tokens, predicted, tree)
     bonus = int(predicted[path[-1]])
-    rows = drafter.update(tokens, path, top)
+    probs = top_probabilities(logits, top) if drafter.wants_probs else None
+    rows = drafter.update(tokens, path, top, probs)
     forward_ms = (t2 - t1) * 1e3
     drafter.observe(forward_ms)
     keep_accepted_path(cache, past_len, tree.size, path)

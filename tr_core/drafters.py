@@ -24,18 +24,21 @@ class Drafter(Protocol):
     ``update_candidate_strategy``), plus a hook for the prompt.
 
     Each step the loop calls ``propose``, then ``budget_report``, verifies the draft in one forward pass, then calls
-    ``update`` once, always as ``update(tokens, path, top)``, then ``observe(forward_ms)``. ``n`` is the tree's node
+    ``update`` once, always as ``update(tokens, path, top, probs)``, then ``observe(forward_ms)``. ``n`` is the tree's node
     count, ``V`` the vocabulary size.
 
     - ``name``: the method's name in events ("plain", "pld", "tr").
     - ``top_k``: how many of each node's best next tokens ``update`` wants (0: none; ``top`` is then None).
     - ``wants_prefill_logits``: whether the loop should compute the prompt's logits for ``on_prefill``.
+    - ``wants_probs``: whether ``update`` wants the probabilities of each node's top-k tokens (``probs``).
     - ``propose(context, root)``: ``context`` (L,) int64, the sequence so far, its last token ``root`` not yet in
       the KV cache -> ``(tokens, tree)``: ``tokens`` (n,) int64 with ``tokens[0] == root``, on the context's device,
       and the draft tree of ``n`` nodes in BFS order.
     - ``update(tokens, path, top)``: learn from the verified step. ``tokens`` (n,) as proposed; ``path`` (a + 1,)
       int64, the accepted path's node indices, root first; ``top`` (n, top_k) int64, each node's best next tokens,
-      best first (None when ``top_k`` is 0). Returns the adjacency-matrix rows it rewrote (empty: none).
+      best first (None when ``top_k`` is 0); ``probs`` (n, top_k) float32, their probabilities under the model's
+      next-token distribution at each node (None unless ``wants_probs``). Returns the adjacency-matrix rows it
+      rewrote (empty: none).
     - ``observe(forward_ms)``: the step's measured forward pass and output layer, in ms (what a tree budget learns
       step times from; the others ignore it).
     - ``budget_report()``: the draft nodes a tree budget chose for the step just proposed and the estimates it chose
@@ -50,7 +53,10 @@ class Drafter(Protocol):
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]: ...
+    wants_probs: bool
+
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
+               probs: torch.Tensor | None) -> list[RowUpdate]: ...
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
 
@@ -64,12 +70,14 @@ class PlainDrafter:
 
     name = "plain"
     wants_prefill_logits = False
+    wants_probs = False
     top_k = 0
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return context[-1:].clone(), chain_tree(0)
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
+               probs: torch.Tensor | None = None) -> list[RowUpdate]:
         return []
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
@@ -130,7 +138,8 @@ class RecyclingDrafter(PlainDrafter):
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         return self.matrix.retrieve(root, self.tree), self.tree
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
+               probs: torch.Tensor | None = None) -> list[RowUpdate]:
         """Overwrite the rows of the tree's tokens with ``top`` (n, k); returns each distinct token's row change, in
         order of first occurrence."""
         distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
@@ -193,8 +202,9 @@ class AdaptiveRecyclingDrafter(RecyclingDrafter):
         self.tree, self._positions = self.nested.trees[i], self.nested.positions[i]
         return self.matrix.retrieve(root, self.tree), self.tree
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None) -> list[RowUpdate]:
-        rows = super().update(tokens, path, top)
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
+               probs: torch.Tensor | None = None) -> list[RowUpdate]:
+        rows = super().update(tokens, path, top, probs)
         self._timed = tokens.numel() == self.tree.size
         if self._timed:
             self.budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
