@@ -255,6 +255,7 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
         tree_tokens=tree_tokens,
         tree_parents=step.tree.parents.tolist(),
         tree_ranks=step.tree.ranks.tolist(),
+        tree_sources=list(step.tree.sources),
         tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
         predicted=step.predicted.tolist(),
         accepted_path=step.path.tolist(),

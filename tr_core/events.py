@@ -77,6 +77,9 @@ class StepEvent:
     overhead_ms: float = 0.0
     budget: int | None = None
     budget_estimates: dict = field(default_factory=dict)
+    # where each node's token came from (root included): empty = the matrix by a template (or, for plain and pld,
+    # the context); else e.g. "root", "matrix", "best-first", "context" (TreeBuffers.sources)
+    tree_sources: list[str] = field(default_factory=list)
     # running counters, after this step
     total_tokens: int = 0
     total_steps: int = 0

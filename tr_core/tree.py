@@ -79,6 +79,9 @@ class TreeBuffers:
     mask: torch.Tensor
     paths: torch.Tensor
     levels: tuple[tuple[int, int], ...]
+    # where each node's token comes from, for events and figures: () = every draft node from the adjacency matrix
+    # by a template; else one name per node (root included), e.g. "matrix", "best-first", "context"
+    sources: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -101,7 +104,7 @@ class TreeBuffers:
     def to(self, device: torch.device | str) -> "TreeBuffers":
         return TreeBuffers(
             self.name, self.node_paths, self.parents.to(device), self.ranks.to(device), self.depth.to(device),
-            self.mask.to(device), self.paths.to(device), self.levels,
+            self.mask.to(device), self.paths.to(device), self.levels, self.sources,
         )
 
 
@@ -152,6 +155,58 @@ def build_tree(paths: list[Path_] | dict[str, int], name: str = "custom") -> Tre
         members = (depth == d).nonzero().flatten()
         levels.append((int(members[0]), int(members[-1]) + 1))
     return TreeBuffers(name, tuple(order), parents, ranks, depth, mask, paths_t, tuple(levels))
+
+
+def tree_from_parents(parents: list[int], ranks: list[int], name: str = "custom",
+                      sources: list[str] | tuple[str, ...] = ()) -> tuple[TreeBuffers, list[int]]:
+    """A tree built per step from its nodes' ``parents`` (``parents[0] == -1``, every other parent listed before
+    its child) and ``ranks`` (a node's rank in its parent's matrix row, or -1 where it does not come from the
+    matrix). Returns the tree in BFS order and ``order``, the input index of each of its nodes (so a caller's tokens
+    become ``tokens[order]``). ``node_paths`` are the nodes' rank paths (not unique where ranks are -1).
+
+    >>> tree, order = tree_from_parents([-1, 0, 1, 0], [0, 0, 0, -1], sources=["root", "m", "m", "context"])
+    >>> order, tree.parents.tolist(), tree.paths.tolist(), tree.sources
+    ([0, 1, 3, 2], [-1, 0, 0, 1], [[0, 2, -1], [0, 1, 3]], ('root', 'm', 'context', 'm'))
+    """
+    n = len(parents)
+    if n == 0 or parents[0] != -1 or len(ranks) != n or (sources and len(sources) != n):
+        raise TreeTemplateError("a tree needs parents[0] == -1 and one rank (and source) per node")
+    depth = [0] * n
+    for i in range(1, n):
+        if not 0 <= parents[i] < i:
+            raise TreeTemplateError(f"node {i}: its parent {parents[i]} must be listed before it")
+        depth[i] = depth[parents[i]] + 1
+    order = sorted(range(n), key=lambda i: depth[i])  # stable: BFS by depth, input order within a depth
+    place = {old: new for new, old in enumerate(order)}
+    new_parents = [-1] + [place[parents[i]] for i in order[1:]]
+    rank_paths: list[Path_] = [()] * n
+    for new, old in enumerate(order[1:], start=1):
+        rank_paths[new] = rank_paths[new_parents[new]] + (ranks[old],)
+    mask = torch.eye(n, dtype=torch.bool)
+    has_child = [False] * n
+    for i in range(1, n):
+        mask[i] |= mask[new_parents[i]]
+        has_child[new_parents[i]] = True
+    new_depth = [depth[i] for i in order]
+    max_depth = new_depth[-1]
+    leaf_paths = []
+    for leaf in (i for i in range(n) if not has_child[i]):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = new_parents[node]
+        leaf_paths.append(path[::-1] + [-1] * (max_depth + 1 - len(path)))
+    levels, start = [], 1
+    for d in range(1, max_depth + 1):
+        stop = start
+        while stop < n and new_depth[stop] == d:
+            stop += 1
+        levels.append((start, stop))
+        start = stop
+    tree = TreeBuffers(name, tuple(rank_paths), torch.tensor(new_parents), torch.tensor([0] + [ranks[i] for i in order[1:]]),
+                       torch.tensor(new_depth), mask, torch.tensor(leaf_paths, dtype=torch.long), tuple(levels),
+                       tuple(sources[i] for i in order) if sources else ())
+    return tree, order
 
 
 @lru_cache(maxsize=64)
