@@ -74,7 +74,7 @@ def test_long_accepted_paths_stay_exact(tiny, tree):
         ref = reference_greedy(model, prompt, NEW_TOKENS)
         drafter = RecyclingDrafter(oracle_matrix(model, prompt, ref), load_template(tree))
         # The update overwrites rows as it goes; freeze them so the oracle stays an oracle for this test.
-        drafter.update = lambda tokens, path, top: []
+        drafter.update = lambda tokens, path, top, probs: []
         result = run(model, prompt, drafter, NEW_TOKENS)
         assert result.token_ids == ref
         total_tokens += len(result.token_ids)
@@ -150,6 +150,6 @@ def test_a_tree_that_changes_size_during_the_run_stays_exact(tiny):
     prompt = prompts(seed=7)[0]
     ref = reference_greedy(model, prompt, NEW_TOKENS)
     drafter = adaptive_drafter(oracle_matrix(model, prompt, ref), explore_every=2)
-    drafter.update = lambda tokens, path, top: []
+    drafter.update = lambda tokens, path, top, probs: []
     result = run(model, prompt, drafter, NEW_TOKENS)
     assert result.token_ids == ref and max(len(e.accepted_path) for e in result.events) > 3

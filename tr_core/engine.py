@@ -9,6 +9,8 @@ On the "auto" tree (with the model's acceptance statistics) Token Recycling draf
 requests as it keeps the matrix: engines made by ``with_matrix``, and by ``with_config`` with an unchanged config,
 share it (they run the same settings on the same model and machine, so each run teaches it step times and node
 acceptance by position in the tree; it holds no token); any other config starts a fresh one (``fresh_budget``).
+Each method keeps its own budget (``budget_for``): the beyond-the-paper methods (``methods.py``) size their trees
+with one too, and their nodes' acceptance means something else than the template's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .decoding import DecodeResult, _max_positions, decode, run
 from .drafters import AdaptiveRecyclingDrafter, Drafter, NestedTrees, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .drafters import nested_trees
 from .events import StepEvent
+from .methods import METHODS as METHOD_INFO, NAMES, check as check_method
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
@@ -35,7 +38,7 @@ from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
 TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
-METHODS = ("plain", "pld", "tr")
+METHODS = NAMES
 AUTO = "auto"
 FALLBACK_TREE = "small"
 
@@ -56,8 +59,7 @@ class EngineConfig:
     pld_max_draft: int = 10
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        check_method(self.method)
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
         contexts = (self.fit_context,) if isinstance(self.fit_context, int) else self.fit_context
@@ -114,7 +116,7 @@ class Engine:
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
         self.nested = _nested_for(model, self.fitted) if self.adaptive else None
-        self.budget = self.fresh_budget()
+        self.budgets: dict[str, TreeBudget] = {}  # one per method, made on first use (budget_for)
         self.matrix = self.fresh_matrix()
 
     @classmethod
@@ -133,6 +135,21 @@ class Engine:
         """Whether Token Recycling's tree size adapts online: the "auto" tree of a model with acceptance
         statistics."""
         return self.config.tree == AUTO and self.fitted is not None
+
+    @property
+    def budget(self) -> TreeBudget | None:
+        """Token Recycling's (``tr``) tree budget; None where the tree does not adapt."""
+        return self.budget_for("tr")
+
+    def budget_for(self, method: str) -> TreeBudget | None:
+        """The tree budget ``method`` drafts with on this engine's settings, shared by every engine that shares
+        this one's budgets (``with_matrix``, ``with_config`` with an unchanged config); None where the tree does
+        not adapt."""
+        if not self.adaptive:
+            return None
+        if method not in self.budgets:
+            self.budgets[method] = self.fresh_budget()
+        return self.budgets[method]
 
     def fresh_budget(self) -> TreeBudget | None:
         """A tree budget started from the fitted tree's size, the calibrated t(N) and the shipped acceptance (in
@@ -176,8 +193,8 @@ class Engine:
         else:
             engine.fitted, engine.tree = _resolve_tree(self.model, config)
             engine.nested = _nested_for(self.model, engine.fitted) if engine.adaptive else None
-        # the same settings share the budget: each run teaches it (see the module docstring)
-        engine.budget = self.budget if config == self.config else engine.fresh_budget()
+        # the same settings share the budgets: each run teaches its method's (see the module docstring)
+        engine.budgets = self.budgets if config == self.config else {}
         engine.matrix = engine.fresh_matrix()
         return engine
 
@@ -193,16 +210,37 @@ class Engine:
         return engine
 
     def drafter(self, method: str | None = None) -> Drafter:
-        method = method or self.config.method
+        method = check_method(method or self.config.method)
+        seed = self.config.seed_from_prompt
         if method == "plain":
             return PlainDrafter()
         if method == "pld":
             return PromptLookupDrafter(self.config.pld_max_ngram, 1, self.config.pld_max_draft)
-        if method == "tr" and self.budget is not None:
-            return AdaptiveRecyclingDrafter(self.matrix, self.nested, self.budget, self.config.seed_from_prompt)
+        if method == "suffix":
+            from .context import SuffixDrafter
+            return SuffixDrafter()
         if method == "tr":
-            return RecyclingDrafter(self.matrix, self.tree, self.config.seed_from_prompt)
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+            budget = self.budget_for(method)
+            if budget is None:
+                return RecyclingDrafter(self.matrix, self.tree, seed)
+            return AdaptiveRecyclingDrafter(self.matrix, self.nested, budget, seed)
+        budget = self.budget_for(method)
+        if budget is None:
+            raise ValueError(f"{METHOD_INFO[method].label} ({method}) sizes its tree by the measured tree budget: it "
+                             "needs the 'auto' tree and this model's acceptance statistics "
+                             "(python -m tr_core.build_assets)")
+        return self._beyond_paper(method, budget, seed)
+
+    def _beyond_paper(self, method: str, budget: TreeBudget, seed: bool) -> Drafter:
+        from .context import ContextRecyclingDrafter
+        from .dynamic import DynamicRecyclingDrafter
+        if method == "tr-context":
+            return ContextRecyclingDrafter(self.matrix, self.nested, budget, seed)
+        if method == "tr-dynamic":
+            return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed)
+        return ContextRecyclingDrafter(self.matrix, self.nested, budget, seed,
+                                       inner=DynamicRecyclingDrafter(self.matrix, budget=budget,
+                                                                     seed_from_prompt=seed))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)
