@@ -23,6 +23,8 @@ def test_build_assets_then_fit_a_tree_from_them(tiny_folder, tmp_path):
     stats = json.loads(acceptance_path(slug, accepted).read_text())
     assert stats["tree"] == "paper" and len(stats["acceptance"]) == len(stats["node_paths"]) == 81
     assert stats["acceptance"][0] == 1.0 and stats["prompts_counted"] == 2
+    assert set(stats["size_factors"]) == set(stats["measured_mean_accepted_tokens"]) == {"2", "4", "8", "16"}
+    assert all(m >= 1.0 for m in stats["measured_mean_accepted_tokens"].values())
     # every child is at most as likely as its parent: the acceptance order gives valid trees
     index = {tuple(p): i for i, p in enumerate(stats["node_paths"])}
     for p, a in zip(stats["node_paths"][1:], stats["acceptance"][1:]):

@@ -5,10 +5,16 @@ question):
   every prompt with the paper tree, as the paper's hot start inherits it from earlier requests;
 - the acceptance statistics of the paper tree (``assets/acceptance/<model>.json``): for every node, the share of
   steps in which it lay on the accepted path, counted on the second half of the prompts (the matrix already warm),
-  with the matrix seeded from each prompt's prefill as the fitted tree does.
+  with the matrix seeded from each prompt's prefill as the fitted tree does;
+- in the same file, ``size_factors``: how much of that acceptance trees of the N likeliest nodes keep when they run
+  themselves (N = ``--sizes``): each decodes the second half of the prompts from an empty matrix, the first third of
+  them warming it, and its mean accepted tokens per step on the rest is set against the statistics' promise
+  (``calibrate.size_factors``). A small tree refreshes few rows a step, so its matrix is staler than the paper
+  tree's; the fitted tree's prediction uses these factors. ``--sizes-only`` measures them again for the existing
+  statistics, without rebuilding the rest.
 
-    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8]
-                                   [--hot-start-dir assets/hot_start] [--acceptance-dir assets/acceptance]
+    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
+                                   [--sizes-only] [--hot-start-dir assets/hot_start] [--acceptance-dir assets/acceptance]
 
 The files are named by ``tr_core.assets`` (``hot_start_path``, ``acceptance_path``).
 """
@@ -23,13 +29,40 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .assets import ACCEPTANCE_DIR, GENERIC_PROMPTS, HOT_START_DIR, acceptance_path, hot_start_path
-from .calibrate import model_slug, node_acceptance
+from .budget import likeliest_first
+from .calibrate import model_slug, node_acceptance, size_factors
+from .decoding import run
+from .drafters import RecyclingDrafter
 from .engine import Engine, EngineConfig
+from .matrix import AdjacencyMatrix
+from .tree import build_tree
 
 
 def generic_prompts(path: Path = GENERIC_PROMPTS) -> list[str]:
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     return [line.replace("\\n", "\n") for line in lines if line and not line.startswith("#")]
+
+
+def measure_sizes(engine: Engine, prompts: list[str], stats: dict, sizes: list[int],
+                  max_new_tokens: int) -> dict[int, float]:
+    """Mean accepted tokens per step of the ``n`` likeliest nodes of ``stats`` for each ``n`` in ``sizes``: each
+    decodes ``prompts`` in order from an empty matrix (seeded from every prompt's prefill), counting the steps of
+    the last two thirds of them."""
+    order = likeliest_first(stats["acceptance"])
+    warm = len(prompts) // 3
+    ids = [engine.encode(p) for p in prompts]
+    measured = {}
+    for n in sizes:
+        tree = build_tree([tuple(stats["node_paths"][i]) for i in order[1:n]], name=f"auto-{n}")
+        matrix = AdjacencyMatrix(engine.vocab_size, engine.config.top_k, engine.model.device)
+        tokens = steps = 0
+        for i, prompt in enumerate(tqdm(ids, desc=f"the {n} likeliest nodes", unit="prompt")):
+            result = run(engine.model, prompt, RecyclingDrafter(matrix, tree, seed_from_prompt=True),
+                         max_new_tokens, engine.eos_ids, keep_events=False, head=engine.head)
+            if i >= warm:
+                tokens, steps = tokens + len(result.token_ids), steps + result.steps
+        measured[n] = round(tokens / steps, 4)
+    return measured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,13 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hot-start-dir", default=str(HOT_START_DIR), help="where the hot-start matrix goes")
     p.add_argument("--acceptance-dir", default=str(ACCEPTANCE_DIR), help="where the acceptance statistics go")
     p.add_argument("--prompts", default=str(GENERIC_PROMPTS), help="one prompt per line ('#' lines are comments)")
+    p.add_argument("--sizes", default="2,4,8,16", help="tree sizes (nodes, root included) to measure size_factors at")
+    p.add_argument("--sizes-only", action="store_true", help="measure size_factors again for the existing statistics")
     args = p.parse_args(argv)
+    try:
+        sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
+    except ValueError:
+        p.error(f"--sizes takes whole numbers separated by commas, got {args.sizes!r}")
+    if any(not 2 <= n <= 81 for n in sizes):
+        p.error("--sizes must be between 2 and 81 nodes (the root included)")
 
     engine = Engine.load(args.model, EngineConfig(method="tr", tree="paper", top_k=args.top_k, seed_from_prompt=True))
     prompts = generic_prompts(Path(args.prompts))
     if len(prompts) < 2:
         p.error("need at least 2 prompts: the first half warms the matrix, the second half is counted")
     half = len(prompts) // 2
+    stats_path = acceptance_path(model_slug(engine.model), Path(args.acceptance_dir))
+    if args.sizes_only:
+        if not stats_path.is_file():
+            p.error(f"--sizes-only needs existing statistics at {stats_path}; build them first (without it)")
+        stats = json.loads(stats_path.read_text())
+        write_size_factors(engine, prompts[half:], stats, sizes, args.max_new_tokens, stats_path)
+        return 0
     counted, tokens, steps = [], 0, 0
     started = time.perf_counter()
     for i, prompt in enumerate(tqdm(prompts, desc="decoding generic prompts", unit="prompt")):
@@ -59,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
     slug = model_slug(engine.model)
     matrix_path = hot_start_path(slug, args.top_k, Path(args.hot_start_dir))
-    stats_path = acceptance_path(slug, Path(args.acceptance_dir))
     matrix_path.parent.mkdir(parents=True, exist_ok=True)
     stats_path.parent.mkdir(parents=True, exist_ok=True)
     engine.matrix.save(matrix_path, {"model": slug, "built_by": "python -m tr_core.build_assets",
@@ -80,7 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hot-start matrix: {matrix_path} ({engine.matrix.nbytes / 2**20:.2f} MB, {rows_used} rows filled)")
     print(f"acceptance of the paper tree over {steps} steps: mean accepted tokens {tokens / steps:.2f} -> "
           f"{stats_path} ({time.perf_counter() - started:.0f} s)")
+    write_size_factors(engine, prompts[half:], stats, sizes, args.max_new_tokens, stats_path)
     return 0
+
+
+def write_size_factors(engine: Engine, prompts: list[str], stats: dict, sizes: list[int], max_new_tokens: int,
+                       path: Path) -> None:
+    """Measure ``size_factors`` on ``prompts`` and write them into the statistics file."""
+    measured = measure_sizes(engine, prompts, stats, sizes, max_new_tokens)
+    stats["measured_mean_accepted_tokens"] = {str(n): m for n, m in measured.items()}
+    stats["size_factors"] = {str(n): f for n, f in size_factors(stats["acceptance"], measured).items()}
+    path.write_text(json.dumps(stats, indent=1))
+    print("mean accepted tokens of the N likeliest nodes, measured (size factor): " + ", ".join(
+        f"{n}: {m:.2f} (factor {stats['size_factors'].get(str(n), 'n/a')})" for n, m in measured.items()))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -194,18 +195,59 @@ class FittedTree:
     context: int | tuple[int, ...] | None = None  # the context length(s) (tokens) t(N) was calibrated on
 
 
+def size_factors(acceptance: list[float], measured: dict[int, float]) -> dict[int, float]:
+    """How much of the acceptance statistics' promise a tree of N nodes kept when it ran: ``measured`` maps N (nodes,
+    root included) to the mean accepted tokens per step measured with the N likeliest nodes themselves; the factor
+    is (measured - 1) / (expected - 1), the draft tokens accepted against those expected from ``acceptance``.
+
+    A small tree refreshes few matrix rows a step, so its matrix is staler than the one the statistics were
+    gathered with (the paper's 81 nodes), and its nodes are accepted less often than the statistics say.
+
+    >>> size_factors([1.0, 0.5, 0.25, 0.25], {2: 1.4, 4: 1.8})
+    {2: 0.8, 4: 0.8}
+    """
+    ordered = [1.0] + sorted(acceptance[1:], reverse=True)
+    factors = {}
+    for n, mat in sorted(measured.items()):
+        promised = sum(ordered[1:n])
+        if promised > 0:
+            factors[int(n)] = round((mat - 1.0) / promised, 4)
+    return factors
+
+
+def size_factor(factors: dict[int, float], n: int, full: int = 81) -> float:
+    """The factor at ``n`` nodes, interpolated in log N between the measured sizes, and towards 1 at the statistics'
+    own tree of ``full`` nodes; 1 where nothing was measured.
+
+    >>> size_factor({2: 0.6, 8: 0.9}, 4), size_factor({2: 0.6}, 1), size_factor({}, 5)
+    (0.75, 0.6, 1.0)
+    """
+    if not factors:
+        return 1.0
+    points = sorted({**{full: 1.0}, **factors}.items()) if max(factors) < full else sorted(factors.items())
+    if n <= points[0][0]:
+        return points[0][1]
+    for (a, fa), (b, fb) in zip(points, points[1:]):
+        if n <= b:
+            w = (math.log(n) - math.log(a)) / (math.log(b) - math.log(a))
+            return fa + w * (fb - fa)
+    return points[-1][1]
+
+
 def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
              overhead_ms: float = 0.0, name: str = "auto", max_nodes: int | None = None,
-             size: int | None = None) -> FittedTree:
+             size: int | None = None, factors: dict[int, float] | None = None) -> FittedTree:
     """The prefix of ``source``'s nodes, in order of acceptance, that maximises expected tokens per second (or, with
-    ``size``, the prefix of that many nodes, root included)."""
+    ``size``, the prefix of that many nodes, root included). ``factors`` (``size_factors``): the share of the
+    expected draft tokens that trees of each size were measured to keep; none: all of them."""
     order = sorted(range(1, source.size), key=lambda i: (-acceptance[i], i))
     plain_ms = interpolate(curve, 1) + overhead_ms
-    best, table, expected = None, [], 1.0
+    best, table, promised = None, [], 0.0
     limit = source.size - 1 if max_nodes is None else min(max_nodes, source.size - 1)
     for count in range(0, limit + 1):
         if count:
-            expected += acceptance[order[count - 1]]
+            promised += acceptance[order[count - 1]]
+        expected = 1.0 + promised * size_factor(factors or {}, count + 1, source.size)
         step_ms = interpolate(curve, count + 1) + overhead_ms
         speedup = expected / step_ms * plain_ms
         table.append({"nodes": count + 1, "expected_accepted": expected, "step_ms": step_ms,
@@ -245,7 +287,9 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     if [list(p) for p in source.node_paths] != stats["node_paths"]:
         raise ValueError(f"{path}: node_paths are not in BFS order")
     name = "auto" if size is None else f"auto-{size}"
-    fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size)
+    factors = {int(n): f for n, f in stats.get("size_factors", {}).items()}
+    fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size,
+                      factors=factors)
     fitted.context = context
     return fitted
 
