@@ -3,6 +3,12 @@
 Retrieval grows a draft tree from M by BFS over a template, one gather per depth level. Updating overwrites the
 rows of every tree token with the top-k of that node's new output distribution. Fresh matrices are all zeros
 (cold start); a saved matrix can be loaded to start hot.
+
+A matrix may also keep, beside each row's k ids, their k probabilities (``probs``, float16), from which the
+dynamic drafter (``dynamic.py``) grows its tree best-first. The paper's method never needs them. A row's
+probabilities are known (written with its ids), 0 (a row never written: all ids 0), or unknown (NaN: ids written
+without probabilities, e.g. a hot-start file saved without them); an unknown row reads as the per-rank prior
+(``prior()``).
 """
 
 from __future__ import annotations
@@ -14,14 +20,33 @@ from safetensors.torch import load_file, save_file
 
 from .tree import TreeBuffers
 
+# How many rows the default prior counts for in the running mean of probabilities: one, so real rows soon outweigh it
+PRIOR_WEIGHT = 1.0
+
+
+def default_prior(k: int) -> list[float]:
+    """The prior of a row whose probabilities are unknown, before any were written: rank r gets 2^-(r+1), halving
+    per rank as the top of a peaked next-token distribution does. ``[0.5, 0.25, 0.125]`` for k = 3."""
+    return [0.5 ** (r + 1) for r in range(k)]
+
 
 class AdjacencyMatrix:
-    """``rows`` is a ``(vocab_size, k)`` int32 tensor; ``rows[t, r]`` is the rank-``r`` candidate after token ``t``."""
+    """``rows`` is a ``(vocab_size, k)`` int32 tensor; ``rows[t, r]`` is the rank-``r`` candidate after token ``t``.
 
-    def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu"):
+    ``probs`` is None, or (with ``keep_probs`` or ``with_probs()``) a ``(vocab_size, k)`` float16 tensor:
+    ``probs[t, r]`` is the model's probability of ``rows[t, r]`` after ``t`` when that row was written. A running
+    mean of every probability row written (``prob_sums / prob_count`` per rank, ``default_prior`` counted as
+    ``PRIOR_WEIGHT`` rows) stands in for rows whose probabilities are unknown.
+    """
+
+    def __init__(self, vocab_size: int, k: int = 8, device: torch.device | str = "cpu", keep_probs: bool = False):
         if vocab_size < 1 or k < 1:
             raise ValueError(f"adjacency matrix needs vocab_size >= 1 and k >= 1, got {vocab_size} x {k}")
         self.rows = torch.zeros(vocab_size, k, dtype=torch.int32, device=device)
+        self.probs: torch.Tensor | None = None
+        self.prob_sums, self.prob_count = [0.0] * k, 0
+        if keep_probs:
+            self.with_probs()
 
     @property
     def vocab_size(self) -> int:
@@ -33,12 +58,44 @@ class AdjacencyMatrix:
 
     @property
     def nbytes(self) -> int:
-        return self.rows.numel() * self.rows.element_size()
+        extra = 0 if self.probs is None else self.probs.numel() * self.probs.element_size()
+        return self.rows.numel() * self.rows.element_size() + extra
 
     def clone(self) -> "AdjacencyMatrix":
         m = AdjacencyMatrix.__new__(AdjacencyMatrix)
         m.rows = self.rows.clone()
+        m.probs = None if self.probs is None else self.probs.clone()
+        m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
         return m
+
+    def with_probs(self) -> "AdjacencyMatrix":
+        """Keep probabilities from now on (in place; returns the matrix). Rows already written get unknown
+        probabilities, rows never written (all ids 0) get 0. A matrix that keeps them already is left as it is."""
+        if self.probs is None:
+            written = self.rows.ne(0).any(dim=1, keepdim=True).expand(-1, self.k)
+            self.probs = torch.zeros(self.rows.shape, dtype=torch.float16, device=self.rows.device)
+            self.probs[written] = float("nan")
+            self.prob_sums, self.prob_count = [0.0] * self.k, 0
+        return self
+
+    def prior(self) -> list[float]:
+        """The probability per rank that a row of unknown probabilities reads as: the running mean of every
+        probability row written to this matrix (``update``, ``seed``, or known rows of a loaded file), with
+        ``default_prior(k)`` counted as ``PRIOR_WEIGHT`` rows.
+
+        >>> m = AdjacencyMatrix(4, k=2, keep_probs=True)
+        >>> m.prior()
+        [0.5, 0.25]
+        >>> _ = m.update(torch.tensor([1]), torch.tensor([[2, 3]]), probs=torch.tensor([[0.9, 0.05]]))
+        >>> [round(p, 3) for p in m.prior()]
+        [0.7, 0.15]
+        """
+        w, n = PRIOR_WEIGHT, self.prob_count
+        return [(s + w * d) / (n + w) for s, d in zip(self.prob_sums, default_prior(self.k))]
+
+    def _count(self, probs: torch.Tensor) -> None:
+        self.prob_sums = [s + p for s, p in zip(self.prob_sums, probs.double().sum(dim=0).tolist())]
+        self.prob_count += probs.shape[0]
 
     def retrieve(self, root: int, tree: TreeBuffers) -> torch.Tensor:
         """Draft tokens for every node of ``tree`` (BFS order, ``tokens[0] = root``), shape ``(tree.size,)`` int64.
@@ -55,52 +112,90 @@ class AdjacencyMatrix:
             tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
         return tokens
 
-    def update(self, tokens: torch.Tensor, top: torch.Tensor, priority: torch.Tensor | None = None) -> torch.Tensor:
+    def update(self, tokens: torch.Tensor, top: torch.Tensor, priority: torch.Tensor | None = None,
+               probs: torch.Tensor | None = None) -> torch.Tensor:
         """Overwrite the rows of ``tokens`` (n,) with ``top`` (n, >= k), each node's best next tokens, best first (the
         decoding step takes them with its greedy choice, so the matrix needs no second pass over the vocabulary);
         returns the new rows (n, k).
 
         A token that occurs at several nodes gets the row of its last occurrence; nodes listed in ``priority``
         (the accepted path) are written last, so a token on the accepted path keeps the row from its real context.
+
+        ``probs`` (n, >= k), the probabilities of ``top``, are written beside the ids by the same rule, into a matrix
+        that keeps probabilities; without them such a matrix marks the rewritten rows' probabilities unknown.
         """
         if top.shape[-1] < self.k:
             raise ValueError(f"the matrix keeps k={self.k} candidates per row, got {top.shape[-1]}")
+        if probs is not None and self.probs is None:
+            raise ValueError("this matrix keeps no probabilities: call with_probs() first")
+        if probs is not None and (probs.shape[0] != top.shape[0] or probs.shape[-1] < self.k):
+            raise ValueError(f"probs {tuple(probs.shape)} do not match top {tuple(top.shape)} for k={self.k}")
         new_rows = top[:, :self.k].to(torch.int32)
+        if self.probs is None:
+            new_probs = None
+        elif probs is None:
+            new_probs = torch.full(new_rows.shape, float("nan"), dtype=torch.float16, device=self.rows.device)
+        else:
+            new_probs = probs[:, :self.k].to(torch.float16)
+            self._count(probs[:, :self.k])
         if priority is None:
-            self.rows[tokens] = new_rows
+            groups = [slice(None)]
         else:
             order = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
             order[priority] = False
-            rest = order.nonzero().flatten()
-            self.rows[tokens[rest]] = new_rows[rest]
-            self.rows[tokens[priority]] = new_rows[priority]
+            groups = [order.nonzero().flatten(), priority]
+        for nodes in groups:  # later groups overwrite earlier ones
+            self.rows[tokens[nodes]] = new_rows[nodes]
+            if new_probs is not None:
+                self.probs[tokens[nodes]] = new_probs[nodes]
         return new_rows
 
     def seed(self, token_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """Fill rows from a prompt's prefill logits: ``token_ids`` (n,), ``logits`` (n, V), in sequence order."""
-        self.rows[token_ids] = torch.topk(logits, self.k, dim=-1).indices.to(torch.int32)
+        """Fill rows from a prompt's prefill logits: ``token_ids`` (n,), ``logits`` (n, V), in sequence order; into a
+        matrix that keeps probabilities, with the softmax probabilities of each row's top k."""
+        values, ids = torch.topk(logits, self.k, dim=-1)
+        self.rows[token_ids] = ids.to(torch.int32)
+        if self.probs is not None:
+            probs = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+            self.probs[token_ids] = probs.to(torch.float16)
+            self._count(probs)
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+        """Save ``rows`` (and ``probs``, when kept, as a second tensor) to a safetensors file."""
         meta = {"vocab_size": str(self.vocab_size), "k": str(self.k), **(metadata or {})}
-        save_file({"rows": self.rows.cpu().contiguous()}, str(path), metadata=meta)
+        tensors = {"rows": self.rows.cpu().contiguous()}
+        if self.probs is not None:
+            tensors["probs"] = self.probs.cpu().contiguous()
+        save_file(tensors, str(path), metadata=meta)
 
     @classmethod
     def load(cls, path: str | Path, vocab_size: int | None = None, k: int | None = None,
              device: torch.device | str = "cpu") -> "AdjacencyMatrix":
         """Load a saved matrix. A smaller ``k`` than saved keeps the top ranks; a vocabulary mismatch or a larger
-        ``k`` raises a clear error."""
+        ``k`` raises a clear error. A file with probabilities gives a matrix that keeps them, its prior started from
+        the file's known rows; a file without them, one that keeps none (``with_probs()`` turns them on, unknown)."""
         try:
-            rows = load_file(str(path))["rows"]
+            tensors = load_file(str(path))
+            rows = tensors["rows"]
         except Exception as e:  # OSError, KeyError, or safetensors' own error types
             raise ValueError(f"cannot load adjacency matrix from {path}: {e}") from None
         if rows.dtype != torch.int32 or rows.dim() != 2:
             raise ValueError(f"{path}: expected a 2-D int32 'rows' tensor, got {rows.dtype} {tuple(rows.shape)}")
+        probs = tensors.get("probs")
+        if probs is not None and (probs.dtype != torch.float16 or probs.shape != rows.shape):
+            raise ValueError(f"{path}: expected float16 'probs' of shape {tuple(rows.shape)}, got {probs.dtype} "
+                             f"{tuple(probs.shape)}")
         if vocab_size is not None and rows.shape[0] != vocab_size:
             raise ValueError(f"{path}: matrix is for a vocabulary of {rows.shape[0]}, the model has {vocab_size}")
         if k is not None and k > rows.shape[1]:
             raise ValueError(f"{path}: matrix keeps k={rows.shape[1]} candidates, k={k} was asked for")
         if k is not None:
             rows = rows[:, :k].contiguous()  # the top-k of a distribution is a prefix of its top-k' for k' > k
+            probs = None if probs is None else probs[:, :k].contiguous()
         m = cls.__new__(cls)
-        m.rows = rows.to(device)
+        m.rows, m.probs = rows.to(device), None if probs is None else probs.to(device)
+        m.prob_sums, m.prob_count = [0.0] * m.k, 0
+        if probs is not None:
+            known = rows.ne(0).any(dim=1) & ~probs.isnan().any(dim=1)
+            m._count(probs[known])
         return m

@@ -1,0 +1,135 @@
+"""Token Recycling with a dynamic draft tree ("tr-dynamic"): grown best-first from the adjacency matrix's
+probabilities each step, instead of retrieved by a static template.
+
+The matrix keeps, beside each row's k ids, their probabilities (``AdjacencyMatrix.probs``). A draft node's
+estimated probability is the product of the probabilities along its path from the root: the child of node ``i`` at
+rank ``r`` gets ``p_i * probs[token_i, r]`` (the root has 1). ``grow_best_first`` pops the likeliest candidate from a
+heap, adds it to the tree and pushes its k children, until the node budget is spent. A child is never likelier than
+its parent, so nodes come out with non-increasing path probability and every prefix of that order is a tree: the
+``N`` nodes drafted are the ``N`` likeliest reachable ones.
+
+Rows never written have probability 0: their children are never drafted, so a cold matrix drafts a smaller tree
+(the root alone at first). Rows whose probabilities are unknown read as the matrix's prior (``AdjacencyMatrix.prior``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from .budget import TreeBudget
+from .drafters import RecyclingDrafter
+from .events import RowUpdate
+from .matrix import AdjacencyMatrix
+from .tree import TreeBuffers, chain_tree, tree_from_parents
+
+
+def grow_best_first(matrix: AdjacencyMatrix, root: int,
+                    max_nodes: int) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The ``max_nodes`` likeliest draft nodes after ``root`` (fewer where fewer have a probability above 0), in
+    best-first order, the root first and extra: ``(tokens, parents, ranks, path_probs)``, one entry per node;
+    ``parents[i]`` indexes these lists (-1 for the root), ``ranks[i]`` is the node's rank in its parent's row,
+    ``path_probs[i]`` the product of the probabilities along its path. Equal probabilities pop in push order.
+
+    >>> m = AdjacencyMatrix(8, k=2, keep_probs=True)
+    >>> probs = torch.tensor([[0.5, 0.25], [0.75, 0.125]])
+    >>> _ = m.update(torch.tensor([1, 2]), torch.tensor([[2, 3], [4, 5]]), probs=probs)
+    >>> grow_best_first(m, 1, 3)  # 1 -> 2 (0.5), 1 -> 2 -> 4 (0.5 * 0.75), 1 -> 3 (0.25); 3's row is empty
+    ([1, 2, 4, 3], [-1, 0, 1, 0], [0, 0, 0, 1], [1.0, 0.5, 0.375, 0.25])
+    """
+    if matrix.probs is None:
+        raise ValueError("a dynamic tree needs a matrix that keeps probabilities: call with_probs() first")
+    rows, probs = matrix.rows, matrix.probs
+    if rows.device.type == "cpu":
+        rows, probs = rows.numpy(), probs.numpy()  # views: one row's tolist() costs ~1 us, ~5 us from a tensor
+    tokens, parents, ranks, path_probs = [root], [-1], [0], [1.0]
+    heap: list[tuple[float, int, int, int, int]] = []  # (-path probability, push order, parent, rank, token)
+    prior = None
+    pushed = 0
+    while True:
+        i = len(tokens) - 1  # push the children of the node added last (the root first), unless the budget is spent
+        if i >= max_nodes:
+            return tokens, parents, ranks, path_probs
+        row_p = probs[tokens[i]].tolist()
+        if row_p[0] != row_p[0]:  # NaN: probabilities unknown
+            prior = prior or matrix.prior()
+            row_p = prior
+        row_t = rows[tokens[i]].tolist()
+        p = path_probs[i]
+        for r, q in enumerate(row_p):
+            if q > 0:
+                heapq.heappush(heap, (-p * q, pushed, i, r, row_t[r]))
+                pushed += 1
+        if not heap:
+            return tokens, parents, ranks, path_probs
+        neg, _, parent, rank, token = heapq.heappop(heap)
+        tokens.append(token)
+        parents.append(parent)
+        ranks.append(rank)
+        path_probs.append(-neg)
+
+
+class DynamicRecyclingDrafter(RecyclingDrafter):
+    """Token Recycling whose draft tree is grown best-first each step (``grow_best_first``) from a matrix that keeps
+    probabilities, and whose update writes each tree token's row with its top-k ids and their probabilities.
+
+    The node budget is ``max_nodes`` draft nodes every step or, with ``budget`` (a ``TreeBudget``, shared, not
+    copied), the size it chooses each step; give one of them. The budget learns which best-first places were
+    accepted and, when the tree had the size it chose, how long the step's forward took.
+
+    ``last_path_probs``: the path probability of every node of the tree proposed last, in its BFS order (root 1.0).
+    """
+
+    name = "tr-dynamic"
+    wants_probs = True
+
+    def __init__(self, matrix: AdjacencyMatrix, max_nodes: int | None = None, budget: TreeBudget | None = None,
+                 seed_from_prompt: bool = False):
+        if matrix.probs is None:
+            raise ValueError("tr-dynamic needs a matrix that keeps probabilities: call with_probs() first")
+        if (max_nodes is None) == (budget is None):
+            raise ValueError("give the dynamic drafter either max_nodes or a tree budget, not both or neither")
+        if max_nodes is not None and max_nodes < 0:
+            raise ValueError(f"max_nodes must be at least 0, got {max_nodes}")
+        super().__init__(matrix, chain_tree(0), seed_from_prompt)
+        self.max_nodes, self.budget = max_nodes, budget
+        self.last_path_probs: list[float] = [1.0]
+        self._chosen = 0  # draft nodes asked for this step
+        self._positions: list[int] = [0]  # each tree node's place in best-first order (root 0)
+        self._timed = False
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        self._chosen = self.budget.choose() - 1 if self.budget is not None else self.max_nodes
+        tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root, self._chosen)
+        n = len(tokens) - 1
+        self.tree, order = tree_from_parents(parents, ranks, name="dynamic", sources=["root"] + ["best-first"] * n)
+        self._positions = order  # the tree's node j was popped order[j]-th
+        self.last_path_probs = [path_probs[i] for i in order]
+        return torch.tensor([tokens[i] for i in order], dtype=torch.long, device=context.device), self.tree
+
+    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
+               probs: torch.Tensor | None) -> list[RowUpdate]:
+        """Overwrite the rows of the tree's tokens with ``top`` (n, k) and ``probs`` (n, k); returns each distinct
+        token's row change, in order of first occurrence. With a budget, tell it the accepted nodes' places."""
+        distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
+        index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
+        old = self.matrix.rows[index].tolist()
+        self.matrix.update(tokens, top, priority=path, probs=probs)
+        new = self.matrix.rows[index].tolist()
+        # the loop verifies the root alone near the context's end: that step says nothing of this tree
+        self._timed = tokens.numel() == self.tree.size
+        if self.budget is not None and self._timed:
+            self.budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+        return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
+
+    def observe(self, forward_ms: float) -> None:
+        if self.budget is not None and self._timed and self.tree.size == self._chosen + 1:
+            self.budget.observe_time(forward_ms)
+
+    def budget_report(self) -> tuple[int | None, dict]:
+        """The draft nodes the budget chose for the step just proposed (the tree may hold fewer, where fewer nodes
+        have a probability above 0) and its estimates, or ``(None, {})`` without a budget."""
+        if self.budget is None:
+            return None, {}
+        return self._chosen, self.budget.estimates()
