@@ -182,11 +182,13 @@ def tree_from_parents(parents: list[int], ranks: list[int], name: str = "custom"
     rank_paths: list[Path_] = [()] * n
     for new, old in enumerate(order[1:], start=1):
         rank_paths[new] = rank_paths[new_parents[new]] + (ranks[old],)
-    mask = torch.eye(n, dtype=torch.bool)
+    # each node's ancestors and itself, as bit sets of node indices (Python ints): no per-node tensor work
+    bits = [1] * n
     has_child = [False] * n
     for i in range(1, n):
-        mask[i] |= mask[new_parents[i]]
+        bits[i] = bits[new_parents[i]] | (1 << i)
         has_child[new_parents[i]] = True
+    mask = torch.tensor([[(b >> j) & 1 for j in range(n)] for b in bits], dtype=torch.bool)
     new_depth = [depth[i] for i in order]
     max_depth = new_depth[-1]
     leaf_paths = []
