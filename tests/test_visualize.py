@@ -15,12 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from visualize import (accepted_length_figure, label, load_trace, mask_figure, matrix_figure, race_figure,  # noqa: E402
-                       shown_rows, speedup_figure, text_lookup, token_text_map, tree_animation, tree_figure,
-                       tree_layout, visible)
+from visualize import (accepted_length_figure, label, load_trace, mask_figure, matrix_figure, node_roles,  # noqa: E402
+                       race_figure, shown_rows, speedup_figure, text_lookup, token_text_map, tree_animation,
+                       tree_figure, tree_layout, visible)
 from visualize.matrix_fig import ACCEPTED, KEPT, REPLACED  # noqa: E402
-from visualize.palette import BLUE, NODE_ROLES  # noqa: E402
+from visualize.lesson_fig import retrieval_figure, row_figure  # noqa: E402
+from visualize.palette import (BLACK, BLUE, CONTEXT_EDGE, GREY, NODE_ROLES, NODE_SOURCES, ORANGE,  # noqa: E402
+                               VERMILLION)
 from tr_core.events import RowUpdate, StepEvent  # noqa: E402
+from visualize.tree_fig import has_context  # noqa: E402
 from visualize.tree_layout import BONUS_Y, ROLES  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -159,6 +162,102 @@ def test_a_300_step_animation_carries_in_each_frame_only_what_changes():
         assert sum(len(d.x) for d in frame.data) == len(e.tree_tokens) + 1  # the nodes and the bonus token
         assert set(frame.layout.to_plotly_json()) == {"title", "shapes"}
         assert len(frame.layout.shapes) == 2  # the accepted path and the bonus link, not the tree's 80 edges
+
+
+# --- where the nodes came from ------------------------------------------------------------------------------------
+
+def sourced_event(**changes):
+    """``hand_event``'s tree built per step (tr-plus): ' b' (node 1) and '\\n' (node 3, under it) copied from the
+    context, 'd' (node 2) and 'c' (node 4, rank 1 under ' b') grown best-first; ' b' accepted, so '\\n' and 'c' are
+    where acceptance broke and 'd' is rejected."""
+    return hand_event(**{**dict(method="tr-plus", tree_ranks=[0, -1, 0, -1, 1], predicted=[11, 77, 99, 15, 16],
+                                tree_sources=["root", "context", "best-first", "context", "best-first"],
+                                accepted_path=[0, 1], bonus_token=77, new_tokens=[11, 77], new_text=" b!"),
+                         **changes})
+
+
+def node_styles(fig) -> dict[str, tuple[str, str, str]]:
+    """``{point id: (symbol, colour, hover)}`` over a tree figure's node traces; a trace's one symbol repeated."""
+    out = {}
+    for t in fig.data:
+        if t.mode == "markers+text":
+            symbols = t.marker.symbol if isinstance(t.marker.symbol, tuple) else [t.marker.symbol] * len(t.x)
+            out.update((i, (s, t.marker.color, h)) for i, s, h in zip(t.ids, symbols, t.hovertext))
+    return out
+
+
+def test_nodes_from_the_context_and_best_first_have_their_own_shapes_edges_and_hovers():
+    fig = tree_figure(sourced_event())
+    styles = node_styles(fig)
+    assert {i: s[:2] for i, s in styles.items()} == {
+        "0": ("square", BLACK),  # the root, as ever
+        "1": ("diamond", BLUE),  # accepted, copied from the context
+        "2": ("square-open", GREY),  # rejected, best-first
+        "3": ("diamond-x-open", VERMILLION),  # where it broke, copied from the context
+        "4": ("square-x-open", VERMILLION),  # where it broke, best-first
+        "bonus after 1": ("star", ORANGE),
+    }
+    for i in "13":
+        assert ("copied from the context: what followed the latest earlier occurrence of the text ending here "
+                "(parent ") in styles[i][2]
+    assert "rank 1 in the matrix row of '␣b' (parent, node 1; grown best-first by estimated path probability)" \
+        in styles["4"][2]
+    assert not any("rank -1" in h for _, _, h in styles.values())
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert legend[len(NODE_ROLES):] == ["best-first from the matrix", "copied from the context"]
+    grey, green, blue, _ = fig.layout.shapes
+    assert (grey.line.color, green.line.color, blue.line.color) == (GREY, CONTEXT_EDGE, BLUE)
+    assert green.path.count("M") == 2 and green.visible  # the edges into ' b' and '↵', under the blue path
+    assert "1 draft token accepted (1 copied from the context)" in fig.layout.title.text
+    # The guided explanation's figures read ranks too: no "rank -1", no row cell taken for a context node.
+    lesson_hovers = [h for t in retrieval_figure(sourced_event()).data if t.mode == "markers+text" for h in t.hovertext]
+    assert "copied from the context, after 'a' (node 0)" in lesson_hovers[1]
+    assert not any("rank -1" in h for h in lesson_hovers)
+    assert list(row_figure(sourced_event(), text_lookup([sourced_event()])).data[0].z[0]) == [1, 0]
+
+
+def test_the_legend_lists_only_the_sources_a_step_has():
+    suffix = sourced_event(method="suffix", tree_sources=["root"] + ["context"] * 4, tree_ranks=[0] + [-1] * 4)
+    legend = [t.name for t in tree_figure(suffix).data if t.showlegend is not False]
+    assert legend[len(NODE_ROLES):] == ["copied from the context"]
+    dynamic = sourced_event(method="tr-dynamic", tree_sources=["root"] + ["best-first"] * 4, tree_ranks=[0, 0, 1, 0, 1])
+    fig = tree_figure(dynamic)
+    assert [t.name for t in fig.data if t.showlegend is not False][len(NODE_ROLES):] == ["best-first from the matrix"]
+    assert len(fig.layout.shapes) == 3  # no green edges without context nodes
+
+
+@pytest.mark.parametrize("event", [PAPER[0], SMALL[0], hand_event(),
+                                   hand_event(tree_sources=["root"] + ["matrix"] * 4)],
+                         ids=["paper", "small", "hand", "hand-matrix-sources"])
+def test_matrix_nodes_keep_their_roles_shapes(event):
+    fig = tree_figure(event)
+    roles = dict(zip(map(str, range(len(event.tree_tokens))), node_roles(event)))
+    for i, (symbol, colour, _) in node_styles(fig).items():
+        role = roles.get(i, "bonus")
+        _, role_colour, role_symbol, _ = NODE_ROLES[role]
+        assert (symbol, colour) == (role_symbol, role_colour)
+    assert len([t for t in fig.data if t.showlegend is not False]) == len(NODE_ROLES)  # no source in the legend
+    assert len(fig.layout.shapes) == 3
+    if not event.tree_sources:  # a template's step: one symbol per trace, as before sources existed
+        assert all(isinstance(t.marker.symbol, str) for t in fig.data)
+
+
+def test_an_animation_over_steps_with_and_without_context_nodes_gives_every_frame_its_symbols():
+    events = [hand_event(step=1), sourced_event(step=2), hand_event(step=3, tree_sources=["root"] + ["matrix"] * 4)]
+    fig = tree_animation(events)
+    node_traces = list(range(len(fig.data) - len(ROLES), len(fig.data)))
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert legend[len(NODE_ROLES):] == [NODE_SOURCES["best-first"][0], NODE_SOURCES["context"][0]]
+    for frame, e in zip(fig.frames, events):
+        assert list(frame.traces) == node_traces
+        symbols = {}
+        for d, role in zip(frame.data, ROLES):
+            assert len(d.marker.symbol) == len(d.x)  # a list in every frame, so none keeps the frame before's
+            symbols.update(zip(d.ids, d.marker.symbol))
+        expect = node_styles(tree_figure(e))
+        assert symbols == {i: s for i, (s, _, _) in expect.items()}
+        green, accepted, bonus = frame.layout.shapes  # one list of shapes in every frame
+        assert green.line.color == CONTEXT_EDGE and green.visible == has_context(e)
 
 
 # --- adjacency matrix ----------------------------------------------------------------------------------------------

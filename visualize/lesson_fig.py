@@ -19,7 +19,7 @@ from .charts import accepted_lengths
 from .palette import BLACK, BLUE, GREY, LIGHT_GREY, VERMILLION, discrete_colorscale
 from .trace import TokenNamer, label, quoted
 from .tree_fig import LABEL_W, _elbow, _layout
-from .tree_layout import tree_layout
+from .tree_layout import node_sources, tree_layout
 
 if TYPE_CHECKING:
     from tr_core.events import StepEvent
@@ -44,8 +44,9 @@ def is_empty(row: Sequence[int]) -> bool:
 
 
 def children_ranks(event: StepEvent, node: int) -> list[int]:
-    """The ranks the tree template takes from ``node``'s row: ``[0, 1, 2]`` for a node with three children."""
-    return [event.tree_ranks[i] for i, p in enumerate(event.tree_parents) if p == node]
+    """The ranks the tree template takes from ``node``'s row: ``[0, 1, 2]`` for a node with three children (a child
+    copied from the context, rank -1, is not from the row)."""
+    return [r for r, p in zip(event.tree_ranks, event.tree_parents) if p == node and r >= 0]
 
 
 def row_figure(event: StepEvent, text: TokenNamer) -> go.Figure:
@@ -80,14 +81,17 @@ def _layer_traces(event: StepEvent, depth: int) -> tuple[dict, dict]:
     """Layer ``depth`` of the tree: its edges (a line trace) and its nodes (``customdata`` = node index)."""
     pos = tree_layout(tuple(event.tree_parents))
     shown = [i for i in range(len(event.tree_tokens)) if pos.x[i] == depth]
+    sources = node_sources(event)
     hover = []
     for i in shown:
         if i == 0:
             hover.append(f"<b>{quoted(event.tree_text[0])}</b> the last token: the root")
         else:
             p = event.tree_parents[i]
-            hover.append(f"<b>{quoted(event.tree_text[i])}</b> layer {depth}: rank {event.tree_ranks[i]} "
-                         f"in the row of {quoted(event.tree_text[p])} (node {p})")
+            where = ("copied from the context, after" if sources[i] == "context"
+                     else f"rank {event.tree_ranks[i]} in the row of")
+            hover.append(f"<b>{quoted(event.tree_text[i])}</b> layer {depth}: {where} {quoted(event.tree_text[p])} "
+                         f"(node {p})")
     colour = LAYER_COLOURS[min(depth, len(LAYER_COLOURS) - 1)]
     name = "root: the last token" if depth == 0 else f"layer {depth}"
     edges = [_elbow(pos.x[p], pos.y[p], pos.x[i], pos.y[i]) for i in shown if (p := event.tree_parents[i]) >= 0]

@@ -28,6 +28,17 @@ NODE_ROLES: dict[str, tuple[str, str, str, int]] = {
     "rejected": ("rejected", GREY, "circle-open", 9),
 }
 
+# Where a draft node came from (``StepEvent.tree_sources``), told by its marker's shape while its colour stays its
+# role's: (legend name, {role: symbol}). A template's matrix nodes (no sources recorded) keep NODE_ROLES' shapes.
+NODE_SOURCES: dict[str, tuple[str, dict[str, str]]] = {
+    "best-first": ("best-first from the matrix",
+                   {"accepted": "square", "broke": "square-x-open", "rejected": "square-open"}),
+    "context": ("copied from the context",
+                {"accepted": "diamond", "broke": "diamond-x-open", "rejected": "diamond-open"}),
+}
+SOURCE_KEY = "#444444"  # a source's legend key: its shape, in a colour no role uses
+CONTEXT_EDGE = BLUISH_GREEN  # the edges into nodes copied from the context
+
 # Adjacency-matrix cells: (legend name, colour), in the order of their code in the heatmap.
 CELL_ROLES: list[tuple[str, str]] = [
     ("kept (same token, same rank)", LIGHT_GREY),

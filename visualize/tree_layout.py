@@ -80,3 +80,8 @@ def node_roles(event: StepEvent) -> list[str]:
     roles[0] = "root"
     return roles
 
+
+def node_sources(event: StepEvent) -> list[str]:
+    """Where every tree node came from: ``event.tree_sources``, or for a template's tree (which records none) the
+    root and the matrix: ``["root", "matrix", "matrix", ...]``."""
+    return list(event.tree_sources) or ["root"] + ["matrix"] * (len(event.tree_tokens) - 1)
