@@ -35,7 +35,8 @@ from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finis
                        history_html, lanes_html, race_table_html)
 from ui.run import RACE_METHODS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
-from ui.settings import Settings, tree_choices  # noqa: E402
+from ui.settings import (DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help,  # noqa: E402
+                         tree_choices)
 from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
@@ -147,11 +148,11 @@ class Handlers:
 
     @user_errors
     def live(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             request: gr.Request):
-        """Decode with Token Recycling, streaming the answer at most every ``TEXT_EVERY_S`` and the figures every
+             method="tr", request: gr.Request = None):
+        """Decode with the method picked (Token Recycling by default), streaming the answer at most every ``TEXT_EVERY_S`` and the figures every
         ``FIGURE_EVERY_S`` (steps in between arrive together), then the whole final state."""
         run = LiveRun(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
-                                                           mode))
+                                                           mode, method))
         if run.needs_loading:
             yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "loading the model (once per process and mode)…"))
         yield from _prepared(run, _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "not run: see the message")))
@@ -205,13 +206,13 @@ class Handlers:
 
     @user_errors
     def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             request: gr.Request):
-        """Measure plain, Prompt Lookup and Token Recycling one after another, each alone on the CPU; the table
-        comes out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
+             methods=DEFAULT_RACE, request: gr.Request = None):
+        """Measure plain decoding and the picked methods one after another, each alone on the CPU; the table comes
+        out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
         race = Race(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
-                                                         mode))
+                                                         mode, "tr", methods))
         yield _out(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
-                   lanes=lanes_html(dict.fromkeys(RACE_METHODS), None, tree), table="",
+                   lanes=lanes_html(dict.fromkeys(race.methods), None, tree), table="",
                    race_plot=placeholder(RACE_PLACEHOLDER))
         yield from _prepared(race, _out(RACE_OUTPUTS, race_status="Not run: see the message."))
         with self._stoppable(request, race):
@@ -303,6 +304,8 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                     model_status = gr.Markdown("")
         with gr.Tabs():
             with gr.Tab("Live decoding", id="live"):
+                live_method = gr.Dropdown(method_choices(), value="tr", label="Method (Token Recycling by default; "
+                                          "the methods beyond the paper size their own trees)", elem_id="method")
                 with gr.Row():
                     run = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run")
                     stop = gr.Button("Stop", size="md", scale=1, elem_id="stop")
@@ -333,6 +336,10 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                     trace = gr.JSON(elem_id="trace")
             with gr.Tab("Race: plain vs Prompt Lookup vs Token Recycling", id="race", elem_id="race-tab"):
                 gr.Markdown(RACE_INTRO)
+                race_methods = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
+                                                label="Race against plain decoding", elem_id="race-methods")
+                with gr.Accordion("What each method drafts from", open=False):
+                    gr.Markdown(methods_help())
                 with gr.Row():
                     race = gr.Button("Run the race", variant="primary", size="md", scale=2, elem_id="race-run")
                     race_stop = gr.Button("Stop", size="md", scale=1)
@@ -350,7 +357,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         raw = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
         example.input(lambda i: gr.skip() if i is None else examples[i], example, prompt, api_visibility="private")
         live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot]
-        run.click(h.live, settings, live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
+        run.click(h.live, settings + [live_method], live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
         # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
         stop.click(h.stop, None, None, api_name="stop", queue=False)
         reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, budget_plot, step, history],
@@ -361,7 +368,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         play.click(h.play, [step, session], frame, api_visibility="private", show_progress="hidden")
         pause.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
         timer.tick(h.tick, [step, session], frame, api_visibility="private", show_progress="hidden")
-        race_run = race.click(h.race, settings, [race_status, lanes, table, race_plot, session, history],
+        race_run = race.click(h.race, settings + [race_methods], [race_status, lanes, table, race_plot, session, history],
                               api_name="race", show_progress="hidden", **model_work, **raw)
         race_run.success(h.replay, [session], [race_status, lanes, race_plot], api_name="replay",
                                        show_progress="hidden")

@@ -273,8 +273,9 @@ def tiny_models(tiny_folder):
     return ModelCache(load=lambda model_id, config: Engine(model, tokenizer, config))
 
 
-def settings(max_new_tokens=12, tree="small", top_k=8, hot_start=True, prompt="Name three colours."):
-    return Settings.check(prompt, max_new_tokens, tree, top_k, hot_start, "", "exact", trees=TREES)
+def settings(max_new_tokens=12, tree="small", top_k=8, hot_start=True, prompt="Name three colours.", method="tr",
+             race=("pld", "tr")):
+    return Settings.check(prompt, max_new_tokens, tree, top_k, hot_start, "", "exact", method, race, trees=TREES)
 
 
 def test_settings_are_checked_and_name_the_first_refused():
@@ -346,6 +347,34 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     assert torch.equal(session.matrix.rows, taught), "measuring does not teach the session's matrix"
     assert [h["what"] for h in session.history] == ["live", "race: plain", "race: pld", "race: tr"]
     assert session.trace()["race"]["runs"]["tr"][0]["method"] == "tr"
+
+
+def test_the_default_race_adds_the_best_method_beyond_the_paper_each_from_its_own_copy(tiny_models):
+    session = Session()
+    race = Race(session, tiny_models, Settings.check("Name three colours.", 12, "small", 8, True, "", "exact",
+                                                     trees=TREES))
+    race.prepare()
+    assert race.methods == ("plain", "pld", "tr", "tr-plus")
+    starts = {m: e.matrix.rows.clone() for m, e in race.engines.items()}
+    assert all(race.engines[m].matrix is not race.engines["tr"].matrix for m in ("pld", "tr-plus"))
+    progress = list(race.progress())
+    assert progress[-1].done and list(session.race.runs) == ["plain", "pld", "tr", "tr-plus"]
+    plain = session.race.runs["plain"].token_ids
+    assert all(run.token_ids == plain for run in session.race.runs.values())
+    assert torch.equal(starts["tr"], starts["tr-plus"]), "every matrix method starts from the same matrix"
+    assert {e.method for e in session.race.runs["tr-plus"].events} == {"tr-plus"}
+
+
+def test_live_runs_the_method_picked_and_a_bad_method_is_refused(tiny_models):
+    session = Session()
+    run = LiveRun(session, tiny_models, settings(method="tr-context"))
+    run.prepare()
+    snaps = list(run.snapshots())
+    assert {e.method for e in snaps[-1].events} == {"tr-context"} and session.history[-1]["what"] == "live: tr-context"
+    with pytest.raises(InputError, match="Unknown method 'beam'"):
+        settings(method="beam")
+    with pytest.raises(InputError, match="at least one method"):
+        settings(race=())
 
 
 def test_stop_ends_a_race_without_a_record(tiny_models):
@@ -460,7 +489,8 @@ def test_sessions_do_not_share_runs(client, served):
 
 
 def test_the_race_measures_three_methods_and_checks_each_against_plain(client):
-    status, _, table, _, history = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", api_name="/race")
+    status, _, table, _, history = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact", ["pld", "tr"],
+                                                  api_name="/race")
     assert status.startswith("Measured")
     rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"><td>[^<]*</td><td>([\d.]+)</td>'
                       r"<td>([\d.]+)×</td>", table)

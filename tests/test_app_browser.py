@@ -138,11 +138,12 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.screenshot(path=shots / "05_race_replay.png", full_page=True)
     page.wait_for_selector("#race-status :text('Done')", timeout=120_000)
     rows = page.locator("#race-table tr[data-method]")
-    assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == ["plain", "pld", "tr"]
-    for method, identical in zip(["plain", "pld", "tr"], rows.evaluate_all("els => els.map(e => e.dataset.identical)")):
+    raced = ["plain", "pld", "tr", "tr-plus"]  # the default: plain, the baseline, the paper, the best beyond it
+    assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == raced
+    for method, identical in zip(raced, rows.evaluate_all("els => els.map(e => e.dataset.identical)")):
         assert identical == "true" or page.locator(f"#race-table .tr-diff[data-method={method}]").count() == 1
-    assert page.locator("#lanes .tr-lane").count() == 3
-    assert page.locator("#race-plot .scatterlayer .trace").count() == 3
+    assert page.locator("#lanes .tr-lane").count() == 4
+    assert page.locator("#race-plot .scatterlayer .trace").count() == 4
     print("race table:\n" + page.locator("#race-table table").inner_text())
     page.screenshot(path=shots / "06_race_done.png", full_page=True)
 

@@ -11,8 +11,8 @@ import torch
 from conftest import VOCAB, reference_greedy, tiny_model
 from tr_core import AdjacencyMatrix, PlainDrafter, load_template, run
 from tr_core.budget import TreeBudget, candidate_sizes
-from tr_core.context import (BranchAcceptance, ContextIndex, ContextRecyclingDrafter, SuffixDrafter, graft,
-                             split_budget, step_time)
+from tr_core.context import (BranchAcceptance, ContextIndex, ContextRecyclingDrafter, PlusRecyclingDrafter,
+                             SuffixDrafter, graft, split_budget, step_time)
 from tr_core.drafters import Drafter, nested_trees
 
 
@@ -202,14 +202,19 @@ class StubTimed(ContextRecyclingDrafter):
         super().observe(10.0 + self.step * self.tree.size)
 
 
-def context_drafter(matrix, step=0.05, explore_every=0, **kwargs):
+class PlusStubTimed(PlusRecyclingDrafter):
+    def observe(self, forward_ms):
+        super().observe(10.0 + self.step * self.tree.size)
+
+
+def context_drafter(matrix, step=0.05, explore_every=0, plus=False, **kwargs):
     """A tr-context drafter over the "small" template's nodes (BFS order standing for likeliest first), with a
     budget on a made-up linear curve of ``step`` ms per node."""
     order = list(load_template("small").node_paths[1:])
     sizes = candidate_sizes(len(order) + 1)
     acceptance = [1.0] + [0.6 ** len(p) for p in order]
     budget = TreeBudget(sizes, [10.0 + step * n for n in sizes], acceptance, explore_every=explore_every)
-    drafter = StubTimed(matrix, nested_trees(order, sizes), budget, **kwargs)
+    drafter = (PlusStubTimed if plus else StubTimed)(matrix, nested_trees(order, sizes), budget, **kwargs)
     drafter.step = step
     return drafter
 
@@ -324,19 +329,24 @@ def context_accepted(events) -> int:
 def test_drafts_from_the_context_stay_exact(arch):
     # a 16-token vocabulary: the tiny random model's greedy output repeats itself, so the context has matches
     model, new = tiny_model(arch, vocab=16), 48
-    accepted = {"suffix": 0, "tr-context": 0}
+    accepted = {"suffix": 0, "tr-context": 0, "tr-plus": 0}
     for prompt in repetitive_prompts(len(arch), 16):
         ref = reference_greedy(model, prompt, new)
         assert run(model, prompt, PlainDrafter(), new).token_ids == ref
-        for drafter in (SuffixDrafter(), context_drafter(AdjacencyMatrix(16, 4), explore_every=3)):
+        for drafter in (SuffixDrafter(), context_drafter(AdjacencyMatrix(16, 4), explore_every=3),
+                        context_drafter(AdjacencyMatrix(16, 4, keep_probs=True), explore_every=3, plus=True)):
             result = run(model, prompt, drafter, new)
             assert result.token_ids == ref, f"{arch} {drafter.name} differs from plain greedy decoding"
-            accepted[drafter.name] += context_accepted(result.events)
+            # tr-plus: any accepted draft (its best-first tree often holds the branch's tokens already)
+            accepted[drafter.name] += (sum(len(e.accepted_path) - 1 for e in result.events)
+                                       if drafter.name == "tr-plus" else context_accepted(result.events))
             assert all(e.method == drafter.name for e in result.events)
+            if drafter.name == "tr-plus":
+                assert {s for e in result.events for s in e.tree_sources} <= {"root", "best-first", "context"}
             if drafter.name == "tr-context":
                 assert all(e.budget == len(e.tree_tokens) - 1 for e in result.events)
                 assert any(e.budget_estimates["context_branch"] for e in result.events)
-    assert all(accepted.values()), f"no context node was ever accepted: {accepted}"
+    assert all(accepted.values()), f"no context node (tr-plus: no draft) was ever accepted: {accepted}"
 
 
 def test_a_shared_budget_and_matrix_stay_exact_across_prompts(tiny):

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -192,3 +193,17 @@ def test_the_auto_tree_adapts_and_the_engine_keeps_its_budget(monkeypatch, tmp_p
     fixed = engine.with_config(tree="auto-4")
     assert fixed.budget is None and type(fixed.drafter()).__name__ == "RecyclingDrafter" and fixed.tree.size == 4
     assert all(e.budget is None and len(e.tree_tokens) == 4 for e in fixed.generate([5, 6, 7, 8], 6).events)
+
+
+@pytest.mark.parametrize("method", ["suffix", "tr-context", "tr-dynamic", "tr-plus"])
+def test_every_method_beyond_the_paper_runs_on_a_model_without_acceptance_statistics(tiny_folder, method):
+    # no shipped statistics for a tiny model: the methods size their trees on the fallback tree, at one size
+    _, model, tokenizer = tiny_folder
+    from tr_core.engine import Engine, EngineConfig
+    engine = Engine(model, tokenizer, EngineConfig(method=method, tree="auto"))
+    prompt = [5, 6, 7, 8, 9] * 4
+    want = engine.generate(prompt, 16, method="plain").token_ids
+    result = engine.generate(prompt, 16)
+    assert result.token_ids == want and all(e.method == method for e in result.events)
+    if method != "suffix":
+        assert engine.budgets[method].sizes == (engine.tree.size,)

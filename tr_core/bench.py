@@ -10,7 +10,8 @@ options, runs this benchmark, then draws ``speedup.html`` and ``tree_size.html``
 
 Methods: ``plain`` (greedy, one token per forward), ``pld`` (Prompt Lookup), ``tr`` (Token Recycling with the tree
 fitted to this machine, matrix seeded from each prompt), ``tr-paper`` (the paper's 81-node tree), and ``tr-cold``
-(the fitted tree from an empty matrix on every question). Token Recycling starts from the shipped hot-start matrix
+(the fitted tree from an empty matrix on every question); beyond the paper (``methods.py``): ``suffix`` (drafts from the
+context's suffix index alone, a third baseline), ``tr-context``, ``tr-dynamic`` and ``tr-plus``. Token Recycling starts from the shipped hot-start matrix
 and carries it across questions, as the paper's hot start does. All methods share one model in one mode, so
 speedups compare like with like.
 
@@ -43,11 +44,12 @@ from tqdm import tqdm
 from .calibrate import context_curve, context_weights, describe_context
 from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
+from .methods import METHODS
 from .kernels import mode_dtype
 from .models import encode_prompt
 from .spec_bench import Question, load_questions, stratified
 
-ALL_METHODS = ("plain", "pld", "tr", "tr-paper", "tr-cold")
+ALL_METHODS = ("plain", "pld", "suffix", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic", "tr-plus")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
 DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
 BOOTSTRAP = {"resamples": 2000, "seed": 0, "confidence": 0.95}
@@ -72,6 +74,7 @@ class Record:
     overhead_ms: float
     first_difference: dict | None = None
     round_seconds: list[float] = field(default_factory=list)
+    draft_nodes: int = 0  # draft nodes verified over the median round's steps (root not counted)
 
 
 @dataclass
@@ -85,7 +88,7 @@ class MethodRunner:
     @property
     def carries_matrix(self) -> bool:
         """Whether the runner's matrix goes from one question to the next (Token Recycling's hot start)."""
-        return self.method == "tr" and not self.reset_each_question
+        return METHODS[self.method].uses_matrix and not self.reset_each_question
 
     def run(self, ids: list[int], max_new_tokens: int, engine: Engine | None = None) -> DecodeResult:
         """Decode one prompt on the runner's engine (or ``engine``); a cold runner starts from an empty matrix."""
@@ -116,6 +119,11 @@ def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[Me
         elif name == "tr-cold":
             runners.append(MethodRunner(name, base.with_config(method="tr", tree="auto", seed_from_prompt=True),
                                         "tr", reset_each_question=True))
+        elif name in ("suffix",):
+            runners.append(MethodRunner(name, base.with_config(method=name, tree="tiny"), name))
+        elif name in ("tr-context", "tr-dynamic", "tr-plus"):
+            runners.append(MethodRunner(name, base.with_config(method=name, tree="auto", matrix_path=matrix,
+                                                               seed_from_prompt=True), name))
         elif _sized(name):
             runners.append(MethodRunner(name, base.with_config(method="tr", tree=f"auto-{name[3:]}",
                                                                matrix_path=matrix, seed_from_prompt=True), "tr"))
@@ -269,6 +277,7 @@ def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
         "tokens_per_s": round(statistics.mean(tps), 3),
         "speedup": round(statistics.mean(tps) / statistics.mean(base), 4),
         "mean_accepted_tokens": round(sum(r.tokens for r in records) / sum(r.steps for r in records), 4),
+        "mean_draft_nodes": round(sum(r.draft_nodes for r in records) / sum(r.steps for r in records), 3),
         "identical": sum(r.identical for r in records),
         "questions": len(records),
         "forward_ms_per_step": round(sum(r.forward_ms for r in records) / sum(r.steps for r in records), 3),
@@ -289,13 +298,15 @@ def interval_text(s: dict) -> str:
 
 def markdown_table(results: dict, category: str | None = None) -> str:
     rows = ["| method | tokens/s | speedup: median [95% interval] | vs plain | speedup of means | "
-            "mean accepted tokens | identical to plain | overhead ms/step |", "|---|---|---|---|---|---|---|---|"]
+            "mean accepted tokens | draft nodes per step | identical to plain | overhead ms/step |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
         s = m if category is None else m["by_category"].get(category)
         if s:
             rows.append(f"| {name} | {s['tokens_per_s']:.2f} | {interval_text(s)} | "
                         f"{'(baseline)' if name == 'plain' else s['verdict']} | {s['speedup']:.2f}x | "
-                        f"{s['mean_accepted_tokens']:.2f} | {s['identical']}/{s['questions']} | "
+                        f"{s['mean_accepted_tokens']:.2f} | {s.get('mean_draft_nodes', 0):.1f} | "
+                        f"{s['identical']}/{s['questions']} | "
                         f"{s['overhead_ms_per_step']:.2f} |")
     return "\n".join(rows)
 
@@ -357,7 +368,7 @@ def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids:
                   differs is None, [len(e.new_tokens) for e in res.events], sum(e.forward_ms for e in res.events),
                   sum(e.overhead_ms for e in res.events),
                   None if differs is None else first_difference(base, ids, plain_ids, differs),
-                  [round(r.elapsed_s, 4) for r in rounds])
+                  [round(r.elapsed_s, 4) for r in rounds], sum(len(e.tree_tokens) - 1 for e in res.events))
 
 
 def round_spread_pct(records: list[Record]) -> float:

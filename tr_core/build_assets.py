@@ -137,6 +137,7 @@ def write_size_factors(engine: Engine, prompts: list[str], stats: dict, sizes: l
     measured = measure_sizes(engine, prompts, stats, sizes, max_new_tokens)
     stats["measured_mean_accepted_tokens"] = {str(n): m for n, m in measured.items()}
     stats["size_factors"] = {str(n): f for n, f in size_factors(stats["acceptance"], measured).items()}
+    stats["size_factors_max_new_tokens"] = max_new_tokens
     path.write_text(json.dumps(stats, indent=1))
     print("mean accepted tokens of the N likeliest nodes, measured (size factor): " + ", ".join(
         f"{n}: {m:.2f} (factor {stats['size_factors'].get(str(n), 'n/a')})" for n, m in measured.items()))

@@ -28,6 +28,7 @@ import torch
 
 from .budget import TreeBudget
 from .drafters import AdaptiveRecyclingDrafter, NestedTrees, PlainDrafter, RecyclingDrafter
+from .dynamic import grow_best_first
 from .events import RowUpdate
 from .matrix import AdjacencyMatrix
 from .tree import TreeBuffers, chain_tree, tree_from_parents
@@ -404,3 +405,36 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
 
     def budget_report(self) -> tuple[int | None, dict]:
         return self.tree.size - 1, self._report
+
+
+class PlusRecyclingDrafter(ContextRecyclingDrafter):
+    """``tr-plus``: the context branch of ``ContextRecyclingDrafter`` grafted onto the best-first tree of
+    ``dynamic.grow_best_first`` (instead of the budget's fixed likeliest-first trees), in one node budget: the
+    budget's size is shared between the two by ``split_budget`` as for ``tr-context``, and the budget learns the
+    accepted best-first places. The matrix must keep probabilities (``AdjacencyMatrix.with_probs``)."""
+
+    name = "tr-plus"
+    wants_probs = True
+
+    def __init__(self, matrix: AdjacencyMatrix, nested: NestedTrees, budget: TreeBudget,
+                 seed_from_prompt: bool = False, **options):
+        if matrix.probs is None:
+            raise ValueError("tr-plus needs a matrix that keeps probabilities: call with_probs() first")
+        super().__init__(matrix, nested, budget, seed_from_prompt, **options)
+
+    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+        self.index = caught_up(self.index, context)
+        trie = self.index.continuations(self.max_branch, self.max_occurrences)
+        self._match, self._chain = trie.match, trie.chain(self.max_branch)
+        size, length = self._split()
+        self.budget.current = self._index[size]
+        tokens, parents, ranks, _ = grow_best_first(self.matrix, root, size - 1)
+        n = len(tokens)  # fewer than ``size`` where few rows have probabilities above 0 (a cold matrix)
+        self._positions, self._drafted = list(range(n)), length  # a node's best-first place is its index here
+        drafted, parents = graft(tokens, parents, self._chain[:length])
+        new = len(drafted) - n
+        self.tree, order = tree_from_parents(parents, ranks + [-1] * new, name="tr-plus",
+                                             sources=["root"] + ["best-first"] * (n - 1) + ["context"] * new)
+        self._matrix_nodes = [j if j < n else -1 for j in order]
+        self._report.update(context_branch=length, match=self._match, matrix_nodes=n - 1)
+        return torch.tensor([drafted[j] for j in order], dtype=torch.long, device=context.device), self.tree

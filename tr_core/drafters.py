@@ -145,7 +145,10 @@ class RecyclingDrafter(PlainDrafter):
         distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
         index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
         old = self.matrix.rows[index].tolist()
-        self.matrix.update(tokens, top, priority=path)
+        if probs is not None and self.matrix.probs is not None:  # a matrix that keeps probabilities (tr-dynamic)
+            self.matrix.update(tokens, top, priority=path, probs=probs)
+        else:
+            self.matrix.update(tokens, top, priority=path)
         new = self.matrix.rows[index].tolist()
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 

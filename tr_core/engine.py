@@ -116,7 +116,7 @@ class Engine:
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
         self.nested = _nested_for(model, self.fitted) if self.adaptive else None
-        self.budgets: dict[str, TreeBudget] = {}  # one per method, made on first use (budget_for)
+        self.budgets: dict = {}  # per method its TreeBudget, made on first use (budget_for), and what else it learns
         self.matrix = self.fresh_matrix()
 
     @classmethod
@@ -224,23 +224,32 @@ class Engine:
             if budget is None:
                 return RecyclingDrafter(self.matrix, self.tree, seed)
             return AdaptiveRecyclingDrafter(self.matrix, self.nested, budget, seed)
-        budget = self.budget_for(method)
-        if budget is None:
-            raise ValueError(f"{METHOD_INFO[method].label} ({method}) sizes its tree by the measured tree budget: it "
-                             "needs the 'auto' tree and this model's acceptance statistics "
-                             "(python -m tr_core.build_assets)")
-        return self._beyond_paper(method, budget, seed)
+        nested, budget = self._sizing(method)
+        return self._beyond_paper(method, nested, budget, seed)
 
-    def _beyond_paper(self, method: str, budget: TreeBudget, seed: bool) -> Drafter:
-        from .context import ContextRecyclingDrafter
+    def _sizing(self, method: str) -> tuple[NestedTrees, TreeBudget]:
+        """The trees and the budget a method beyond the paper sizes its drafts with: the "auto" tree's, or, on
+        another tree (or a model without acceptance statistics), that tree alone, at one size (its nodes in BFS
+        order stand for likeliest first; the budget then only learns acceptance)."""
+        if self.adaptive:
+            return self.nested, self.budget_for(method)
+        nested = nested_trees(list(self.tree.node_paths[1:]), [self.tree.size], name=self.tree.name)
+        if method not in self.budgets:
+            prior = [0.5 ** len(p) for p in self.tree.node_paths]  # the root's 1.0, then halving with depth
+            self.budgets[method] = TreeBudget([self.tree.size], [1.0], prior)
+        return nested, self.budgets[method]
+
+    def _beyond_paper(self, method: str, nested: NestedTrees, budget: TreeBudget, seed: bool) -> Drafter:
+        from .context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
         from .dynamic import DynamicRecyclingDrafter
-        if method == "tr-context":
-            return ContextRecyclingDrafter(self.matrix, self.nested, budget, seed)
+        if method != "tr-context":
+            self.matrix.with_probs()  # a best-first tree needs each candidate's probability (unknown ones: a prior)
         if method == "tr-dynamic":
             return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed)
-        return ContextRecyclingDrafter(self.matrix, self.nested, budget, seed,
-                                       inner=DynamicRecyclingDrafter(self.matrix, budget=budget,
-                                                                     seed_from_prompt=seed))
+        # how often context branches were accepted, by match length: learned across requests, like the budget
+        branch = self.budgets.setdefault(method + ":branch", BranchAcceptance())
+        drafter = ContextRecyclingDrafter if method == "tr-context" else PlusRecyclingDrafter
+        return drafter(self.matrix, nested, budget, seed, branch=branch)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)

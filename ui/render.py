@@ -16,8 +16,9 @@ from html import escape
 from typing import Mapping, Sequence
 
 from tr_core.events import Rates, StepEvent
+from tr_core.methods import METHODS
 
-METHOD_NAMES = {"plain": "plain greedy decoding", "pld": "Prompt Lookup Decoding", "tr": "Token Recycling"}
+METHOD_NAMES = {name: m.label for name, m in METHODS.items()}
 STOP_REASONS = {"eos": "the model ended its answer", "max_new_tokens": "reached max new tokens",
                 "context_full": "the model's context is full"}
 

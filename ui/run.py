@@ -7,8 +7,9 @@
     run.stop()                          # from another request: the run ends after its current step
 
 A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
-``session.history``. A ``Race`` measures plain decoding, Prompt Lookup and Token Recycling one after another on a
-copy of that matrix and leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no
+``session.history``. A ``Race`` measures plain decoding and the methods the user picked (by default Prompt Lookup,
+Token Recycling and the best extension beyond the paper) one after another, each matrix method on its own copy of
+that matrix, and leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no
 model.
 """
 
@@ -21,14 +22,21 @@ from typing import Callable, Iterator
 from tr_core.engine import AUTO, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.kernels import mode_dtype
+from tr_core.methods import METHODS
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
 from .render import RaceRun, method_label
 from .session import LiveRecord, RaceRecord, Session
-from .settings import Settings
+from .settings import DEFAULT_RACE, Settings
 
-RACE_METHODS = ("plain", "pld", "tr")
+RACE_METHODS = ("plain",) + DEFAULT_RACE  # the race's lanes before the user picks
+
+
+def tree_for(method: str, tree: str) -> str:
+    """The tree a method drafts with: the methods beyond the paper size their own trees with the measured tree
+    budget ("auto"); the others, the tree picked."""
+    return AUTO if METHODS[method].beyond_paper else tree
 
 
 def tree_note(engine: Engine, requested: str) -> str:
@@ -108,16 +116,23 @@ class _ModelRun(Stoppable):
     def prepare(self) -> None:
         """Load the model if needed and set the run up; ``InputError`` or ``ModelLoadError`` if it cannot run."""
         s = self.settings
-        base = self.models.get(s.model_id, s.mode)
+        self.base = self.models.get(s.model_id, s.mode)
+        tree = tree_for(s.method, s.tree)
+        engine = self._configured(s.method, tree)
+        self.matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
+        self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
+        self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
+        self.about_setup = (f"mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, tree)}; "
+                            f"adjacency matrix: {self.about_matrix}")
+
+    def _configured(self, method: str, tree: str) -> Engine:
+        """The engine ``method`` runs on, on the loaded model; ``InputError`` where the settings do not fit it."""
         try:
-            engine = base.with_config(method="tr", tree=s.tree, top_k=s.top_k)
+            engine = self.base.with_config(method=method, tree=tree, top_k=self.settings.top_k)
+            engine.drafter(method)  # a method that cannot run with these settings says why, before any decoding
         except ValueError as e:  # e.g. a tree that needs a larger k
             raise InputError(str(e)) from None
-        matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
-        self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
-        self.engine, self.start = engine.with_matrix(matrix), self.session.matrix_start(s.hot_start)
-        self.about_setup = (f"mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, s.tree)}; "
-                            f"adjacency matrix: {self.about_matrix}")
+        return engine
 
 
 class LiveRun(_ModelRun):
@@ -136,7 +151,7 @@ class LiveRun(_ModelRun):
         s = self.settings
         self.record = self.session.begin_live(s.model_id, s.mode, s.tree, s.hot_start)
         events, rates, seconds = self.record.events, Rates(), 0.0
-        steps = self.engine.stream(self.ids, s.max_new_tokens)
+        steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method)
         while not self.stopped:
             started = time.perf_counter()
             try:
@@ -153,8 +168,8 @@ class LiveRun(_ModelRun):
                 break
             yield Snapshot(events, rates, self.note)
         if events:
-            what = "live (stopped)" if self.stopped else "live"
-            self.session.record(what, s.tree, s.top_k, self.start, rates)
+            what = ("live" if s.method == "tr" else f"live: {s.method}") + (" (stopped)" if self.stopped else "")
+            self.session.record(what, tree_for(s.method, s.tree), s.top_k, self.start, rates)
         yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped)
 
     def _name_tokens(self, event: StepEvent) -> None:
@@ -181,33 +196,44 @@ class RaceProgress:
 
 
 class Race(_ModelRun):
-    """Plain decoding, Prompt Lookup and Token Recycling measured one after another, each alone on the CPU, on a
-    copy of the session's matrix (measuring does not teach it); the record goes to ``session.race``."""
+    """Plain decoding and the picked methods measured one after another, each alone on the CPU, each matrix method
+    on its own copy of the session's matrix (measuring does not teach it, and no method starts from what another
+    taught); the record goes to ``session.race``."""
 
     keep_matrix = False
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return ("plain",) + tuple(m for m in self.settings.race_methods if m != "plain")
+
+    def prepare(self) -> None:
+        super().prepare()
+        s = self.settings
+        self.engines = {m: self._configured(m, tree_for(m, s.tree)).with_matrix(self.matrix.clone())
+                        for m in self.methods}
 
     def decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
 
     def progress(self) -> Iterator[RaceProgress]:
-        s, runs = self.settings, dict.fromkeys(RACE_METHODS)
+        s, runs = self.settings, dict.fromkeys(self.methods)
         about_prompt = f" ({self.about_prompt})" if self.about_prompt else ""
         self.session.race = None  # the replay never shows an older race as this one
         yield RaceProgress(f"Warming up (one token, not measured){about_prompt}…", runs)
         self.engine.generate(self.ids, 1, method="plain")
-        for i, method in enumerate(RACE_METHODS, 1):
-            yield RaceProgress(f"Measuring {i} of {len(RACE_METHODS)}: {method_label(method)}, alone on the CPU"
+        for i, method in enumerate(self.methods, 1):
+            yield RaceProgress(f"Measuring {i} of {len(self.methods)}: {method_label(method)}, alone on the CPU"
                                f"{about_prompt}…", runs)
             events = []
-            for event in self.engine.stream(self.ids, s.max_new_tokens, method=method):
+            for event in self.engines[method].stream(self.ids, s.max_new_tokens, method=method):
                 events.append(event)  # nothing else between steps: the run's clock measures decoding alone
                 if self.stopped:
                     yield RaceProgress("Stopped.", runs, done=True, stopped=True)
                     return
             runs[method] = RaceRun(method, events)
         for method, run in runs.items():
-            tr = method == "tr"
-            self.session.record(f"race: {method}", s.tree if tr else "-", s.top_k if tr else "-",
+            tr = METHODS[method].uses_matrix
+            self.session.record(f"race: {method}", tree_for(method, s.tree) if tr else "-", s.top_k if tr else "-",
                                 self.start if tr else "-", run.rates)
         self.session.race = RaceRecord(runs, s.tree, self.about_setup)
         yield RaceProgress(f"Measured{about_prompt}. Replaying side by side at the measured speed…", runs,

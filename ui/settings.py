@@ -3,6 +3,7 @@ pick.
 
     settings = Settings.check(prompt, 64, "small", 8, True, "", "exact", trees=tree_names())
     settings.max_new_tokens                     # 64
+    settings.method, settings.race_methods      # "tr", ("pld", "tr", ...): Live's method, the race's beside plain
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 from tr_core.assets import TREES_DIR
 from tr_core.engine import AUTO
 from tr_core.kernels import MODES
+from tr_core.methods import METHODS, NAMES
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
-from .inputs import (MAX_NEW_TOKENS, TOP_K, Prompt, check_choice, check_flag, check_model_id, check_number,
-                     clean_prompt)
+from .inputs import (MAX_NEW_TOKENS, TOP_K, InputError, Prompt, check_choice, check_flag, check_model_id,
+                     check_number, clean_prompt)
 
 
 @dataclass(frozen=True)
@@ -30,16 +32,47 @@ class Settings:
     hot_start: bool
     model_id: str
     mode: str
+    method: str = "tr"  # what Live decodes with
+    race_methods: tuple[str, ...] = ()  # what the race measures beside plain decoding
 
     @classmethod
-    def check(cls, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, *, trees: list[str],
-              allow_local_models: bool = False) -> "Settings":
+    def check(cls, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method="tr",
+              race_methods=None, *, trees: list[str], allow_local_models: bool = False) -> "Settings":
         """The settings a request brings, in the order of the page's controls; ``InputError`` names the first that
         is refused."""
         return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
                    check_choice(tree, "draft tree", trees), check_number(top_k, "k (candidates per row)", TOP_K),
                    check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
-                   check_choice(mode, "mode", list(MODES)))
+                   check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(NAMES)),
+                   check_race_methods(DEFAULT_RACE if race_methods is None else race_methods))
+
+
+# The race's methods beside plain decoding, by default: the baseline users know, the paper's method, and the best
+# extension beyond the paper as this project's benchmark measured it (README)
+DEFAULT_RACE = ("pld", "tr", "tr-plus")
+RACE_CHOICES = tuple(n for n in NAMES if n != "plain")
+
+
+def check_race_methods(value) -> tuple[str, ...]:
+    """The race's methods beside plain decoding, in the registry's order: at least one, each known."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise InputError(f"The race's methods must be a list of names from {', '.join(RACE_CHOICES)}.")
+    for name in value:
+        check_choice(name, "race method", list(RACE_CHOICES))
+    if not value:
+        raise InputError("Pick at least one method to race against plain decoding.")
+    return tuple(n for n in RACE_CHOICES if n in value)
+
+
+def method_choices(names=NAMES) -> list[tuple[str, str]]:
+    """``[(label, name), ...]`` for the method pickers; the methods beyond the paper say so."""
+    return [(METHODS[n].label + (" (beyond the paper)" if METHODS[n].beyond_paper else ""), n) for n in names]
+
+
+def methods_help(names=NAMES) -> str:
+    """One line per method, in Markdown: its name, whether it goes beyond the paper, and what it adds."""
+    return "\n".join(f"- **{METHODS[n].label}**{' (beyond the paper)' if METHODS[n].beyond_paper else ''}: "
+                     f"{METHODS[n].about}" for n in names)
 
 
 def tree_names(dirs: tuple[Path, ...] = (TREES_DIR,)) -> list[str]:
