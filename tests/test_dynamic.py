@@ -12,7 +12,7 @@ from test_lossless import NEW_TOKENS, oracle_matrix, prompts
 from tr_core import AdjacencyMatrix, run
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.drafters import Drafter
-from tr_core.dynamic import DynamicRecyclingDrafter, grow_best_first
+from tr_core.dynamic import DynamicRecyclingDrafter, choose_size, grow_best_first
 from tr_core.tree import tree_from_parents
 
 
@@ -128,23 +128,38 @@ def test_the_drafter_proposes_the_tree_in_bfs_order_and_learns_probabilities():
     assert tokens.tolist() == [1, 2, 7, 4] and drafter.last_path_probs == [1.0, 0.5, 0.25, 0.3125]
 
 
-def test_the_drafter_draws_its_size_from_the_budget_and_teaches_it_best_first_places():
-    budget = TreeBudget([1, 4], [10.0, 10.0], [1.0, 0.5, 0.5, 0.5], explore_every=0, acceptance_rate=0.5)
-    drafter = DynamicRecyclingDrafter(hand_matrix(), budget=budget)
+def test_each_step_drafts_the_size_its_path_probabilities_favour_over_the_budgets_step_times():
+    # 1 -> 2 (0.5), 2 -> 4 (0.375), 1 -> 3 (0.25): on a flat curve every node pays, on a steep one none
+    flat = TreeBudget([1, 4], [10.0, 10.0], [1.0, 0.5, 0.5, 0.5], explore_every=0, acceptance_rate=0.5)
+    drafter = DynamicRecyclingDrafter(hand_matrix(), budget=flat)
     tokens, tree = drafter.propose(torch.tensor([1]), 1)
-    assert tree.size == 4 and drafter.budget_report() == (3, budget.estimates())
-    # accepted root -> 2 -> 4: BFS nodes 0, 1, 3, popped 1st and 2nd; the 3rd (node 2, token 3) was not accepted
+    n, report = drafter.budget_report()
+    assert tree.size == 4 and n == 3 and report["chosen_by"] == "path probabilities"
+    assert report["expected_tokens"] == [1.0, 2.125] and report["best"] == 3
+    steep = TreeBudget([1, 4], [10.0, 40.0], [1.0, 0.5, 0.5, 0.5], explore_every=0)
+    assert DynamicRecyclingDrafter(hand_matrix(), budget=steep).propose(torch.tensor([1]), 1)[1].size == 1
+    # accepted root -> 2 -> 4 (BFS nodes 0, 1, 3), the budget's own size ran: it learns the places
     drafter.update(tokens, torch.tensor([0, 1, 3]), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
-    assert budget.acceptance == [1.0, 0.75, 0.75, 0.25]
+    assert flat.acceptance == [1.0, 0.75, 0.75, 0.25]
+    assert drafter.calibration.factor == pytest.approx((0.97 + 2) / (0.97 + 1.125))  # 2 accepted for 1.125
     drafter.observe(20.0)
-    assert budget.speed > 1  # the step took twice the calibrated time
+    assert flat.speed > 1  # the step took twice the calibrated time
     # near the context's end the loop verifies the root alone: nothing is learned from that step
-    tokens, tree = drafter.propose(torch.tensor([1]), 1)  # rows now all zeros: the root alone, smaller than chosen
-    assert tree.size == 1 and drafter.budget_report()[0] == 3
-    speed = budget.speed
-    drafter.update(tokens, torch.tensor([0]), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2))
+    tokens, tree = drafter.propose(torch.tensor([1]), 1)  # rows now all zeros: the root alone
+    assert tree.size == 1 and drafter.budget_report()[0] == 0
+    speed, factor = flat.speed, drafter.calibration.factor
+    drafter.update(torch.tensor([1, 5]), torch.tensor([0]), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2))
     drafter.observe(99.0)
-    assert budget.speed == speed  # a tree smaller than the budget chose says nothing of that size's time
+    assert flat.speed == speed and drafter.calibration.factor == factor
+
+
+def test_choose_size_follows_the_step_time_curve():
+    probs = [1.0, 0.9, 0.8, 0.6, 0.3, 0.1]
+    assert choose_size(probs, [1, 8], [10.0, 10.0], 1.0) == 6  # free nodes: all of them
+    assert choose_size(probs, [1, 8], [10.0, 80.0], 1.0) == 1  # each node costs a whole step: none
+    # +1 ms a node: a node pays while its probability beats the tokens per ms so far (3.6 / 14 ms > 3.3 / 13 ms)
+    assert choose_size(probs, [1, 8], [10.0, 17.0], 1.0) == 5
+    assert choose_size(probs, [1, 8], [10.0, 17.0], 0.1) == 1  # the matrix was ten times too sure: none
 
 
 def test_the_drafter_declares_what_the_loop_reads_and_refuses_bad_settings():
@@ -201,7 +216,7 @@ def test_long_paths_from_a_hot_start_file_without_probabilities_stay_exact(tiny)
     prior halves per rank: the likeliest 63 nodes reach depth 6."""
     arch, model = tiny
     for make in (lambda m: DynamicRecyclingDrafter(m, max_nodes=63),
-                 lambda m: DynamicRecyclingDrafter(m, budget=dynamic_budget(63, ms_per_node=0.0))):
+                 lambda m: DynamicRecyclingDrafter(m, budget=dynamic_budget(63, ms_per_node=0.0), max_grow=63)):
         longest = 0
         for prompt in prompts(seed=7)[:3]:
             ref = reference_greedy(model, prompt, NEW_TOKENS)

@@ -160,7 +160,7 @@ def test_the_cost_step_quotes_the_matrix_size_and_the_size_table():
 
 
 def test_every_step_has_a_title_a_filled_text_and_a_figure():
-    assert len(STEPS) == 8
+    assert len(STEPS) == 9
     for i, step in enumerate(STEPS):
         body = lesson.step_text(LESSON, i)
         assert step.title and len(body) > 200 and not re.search(r"\{\w+[^}]*\}", body)
@@ -169,7 +169,7 @@ def test_every_step_has_a_title_a_filled_text_and_a_figure():
 
 def test_navigation_stays_within_the_steps():
     assert clamp(-1) == 0 and clamp(3) == 3 and clamp(99) == len(STEPS) - 1
-    assert 'data-step="1"' in indicator_html(0) and "Step 8 of 8" in indicator_html(7)
+    assert 'data-step="1"' in indicator_html(0) and "Step 8 of 9" in indicator_html(7)
     assert indicator_html(2).count("tr-pill-on") == 1
 
 

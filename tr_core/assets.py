@@ -7,6 +7,7 @@
       traces/<name>.json, <name>.meta.json     the runs "How it works" replays (``python -m tr_core.record_trace``)
       spec_bench/question.jsonl                the benchmark's questions (own copy, Apache-2.0)
       prompts/generic.txt                      the prompts the hot-start matrix is built from
+      benchmarks/beyond_paper.json             a benchmark's figures for "How it works" (``python -m tr_core.bench_summary``)
 
 ``<model>`` is the model's slug (``calibrate.model_slug``), e.g. ``smollm2-135m-instruct``:
 
@@ -27,6 +28,7 @@ ACCEPTANCE_DIR = ASSETS_DIR / "acceptance"
 TRACES_DIR = ASSETS_DIR / "traces"
 SPEC_BENCH_QUESTIONS = ASSETS_DIR / "spec_bench" / "question.jsonl"
 GENERIC_PROMPTS = ASSETS_DIR / "prompts" / "generic.txt"
+BEYOND_PAPER = ASSETS_DIR / "benchmarks" / "beyond_paper.json"
 
 
 def hot_start_path(slug: str, top_k: int, folder: Path = HOT_START_DIR) -> Path:

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
 from .methods import METHODS
 from .kernels import mode_dtype
+from .layouts import cpu_name
 from .models import encode_prompt
 from .spec_bench import Question, load_questions, stratified
 
@@ -438,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
-        "model": args.model or "embedded", "hot_start": hot.name if hot else None,
+        "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
+        "arguments": list(sys.argv[1:] if argv is None else argv),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),

@@ -33,6 +33,7 @@ Plain Python over ~15 sizes: choosing and learning cost tens of microseconds a s
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from typing import Iterable, Sequence
 
 # candidate sizes (nodes, root included): dense where CPUs choose, geometric beyond (the calibration's own grid)
@@ -59,6 +60,22 @@ def likeliest_first(acceptance: Sequence[float]) -> list[int]:
     [0, 2, 1, 3]
     """
     return [0] + sorted(range(1, len(acceptance)), key=lambda i: (-acceptance[i], i))
+
+
+def step_time(sizes: Sequence[int], step_ms: Sequence[float], nodes: int) -> float:
+    """The step time (ms) of ``nodes`` nodes, linear between the candidate ``sizes``' ``step_ms``, flat below the
+    first and on the last segment's slope (not below 0) beyond the last.
+
+    >>> [step_time([1, 3], [10.0, 12.0], n) for n in range(6)]
+    [10.0, 10.0, 11.0, 12.0, 13.0, 14.0]
+    """
+    if len(sizes) == 1 or nodes <= sizes[0]:
+        return step_ms[0]
+    i = min(bisect_left(sizes, nodes), len(sizes) - 1)  # the segment sizes[i - 1] .. sizes[i]
+    slope = (step_ms[i] - step_ms[i - 1]) / (sizes[i] - sizes[i - 1])
+    if nodes > sizes[-1]:
+        return step_ms[-1] + max(slope, 0.0) * (nodes - sizes[-1])
+    return step_ms[i - 1] + slope * (nodes - sizes[i - 1])
 
 
 def _clipped_log(ratio: float) -> float:

@@ -2,7 +2,8 @@
 question):
 
 - the hot-start adjacency matrix (``assets/hot_start/<model>-k<k>.safetensors``): the matrix left after decoding
-  every prompt with the paper tree, as the paper's hot start inherits it from earlier requests;
+  every prompt with the paper tree, as the paper's hot start inherits it from earlier requests, with each
+  candidate's probability beside its id (read by the best-first methods, ignored by the paper's);
 - the acceptance statistics of the paper tree (``assets/acceptance/<model>.json``): for every node, the share of
   steps in which it lay on the accepted path, counted on the second half of the prompts (the matrix already warm),
   with the matrix seeded from each prompt's prefill as the fitted tree does;
@@ -13,7 +14,7 @@ question):
   tree's; the fitted tree's prediction uses these factors. ``--sizes-only`` measures them again for the existing
   statistics, without rebuilding the rest.
 
-    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
+    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16] [--sizes-max-new-tokens 64]
                                    [--sizes-only] [--hot-start-dir assets/hot_start] [--acceptance-dir assets/acceptance]
 
 The files are named by ``tr_core.assets`` (``hot_start_path``, ``acceptance_path``).
@@ -35,12 +36,20 @@ from .decoding import run
 from .drafters import RecyclingDrafter
 from .engine import Engine, EngineConfig
 from .matrix import AdjacencyMatrix
+from .text import TokenText
 from .tree import build_tree
 
 
 def generic_prompts(path: Path = GENERIC_PROMPTS) -> list[str]:
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     return [line.replace("\\n", "\n") for line in lines if line and not line.startswith("#")]
+
+
+def paper_drafter(engine: Engine) -> RecyclingDrafter:
+    """Token Recycling with the engine's (paper) tree that also hands the matrix each candidate's probability."""
+    drafter = RecyclingDrafter(engine.matrix, engine.tree, seed_from_prompt=True)
+    drafter.wants_probs = True
+    return drafter
 
 
 def measure_sizes(engine: Engine, prompts: list[str], stats: dict, sizes: list[int],
@@ -75,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", default=str(GENERIC_PROMPTS), help="one prompt per line ('#' lines are comments)")
     p.add_argument("--sizes", default="2,4,8,16", help="tree sizes (nodes, root included) to measure size_factors at")
     p.add_argument("--sizes-only", action="store_true", help="measure size_factors again for the existing statistics")
+    p.add_argument("--sizes-max-new-tokens", type=int, default=64, help="new tokens per prompt when measuring sizes")
     args = p.parse_args(argv)
     try:
         sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
@@ -84,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sizes must be between 2 and 81 nodes (the root included)")
 
     engine = Engine.load(args.model, EngineConfig(method="tr", tree="paper", top_k=args.top_k, seed_from_prompt=True))
+    engine.matrix.with_probs()  # the matrix keeps each candidate's probability too (for tr-dynamic and tr-plus)
     prompts = generic_prompts(Path(args.prompts))
     if len(prompts) < 2:
         p.error("need at least 2 prompts: the first half warms the matrix, the second half is counted")
@@ -93,12 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         if not stats_path.is_file():
             p.error(f"--sizes-only needs existing statistics at {stats_path}; build them first (without it)")
         stats = json.loads(stats_path.read_text())
-        write_size_factors(engine, prompts[half:], stats, sizes, args.max_new_tokens, stats_path)
+        write_size_factors(engine, prompts[half:], stats, sizes, args.sizes_max_new_tokens, stats_path)
         return 0
     counted, tokens, steps = [], 0, 0
     started = time.perf_counter()
     for i, prompt in enumerate(tqdm(prompts, desc="decoding generic prompts", unit="prompt")):
-        result = engine.generate(prompt, args.max_new_tokens)
+        result = run(engine.model, engine.encode(prompt), paper_drafter(engine), args.max_new_tokens, engine.eos_ids,
+                     TokenText(engine.tokenizer), head=engine.head)
         if i >= half:
             counted.extend(result.events)
             tokens += len(result.token_ids)
@@ -127,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hot-start matrix: {matrix_path} ({engine.matrix.nbytes / 2**20:.2f} MB, {rows_used} rows filled)")
     print(f"acceptance of the paper tree over {steps} steps: mean accepted tokens {tokens / steps:.2f} -> "
           f"{stats_path} ({time.perf_counter() - started:.0f} s)")
-    write_size_factors(engine, prompts[half:], stats, sizes, args.max_new_tokens, stats_path)
+    write_size_factors(engine, prompts[half:], stats, sizes, args.sizes_max_new_tokens, stats_path)
     return 0
 
 

@@ -26,9 +26,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .budget import TreeBudget
+from .budget import TreeBudget, step_time
 from .drafters import AdaptiveRecyclingDrafter, NestedTrees, PlainDrafter, RecyclingDrafter
-from .dynamic import grow_best_first
+from .dynamic import PathCalibration, expected_by_size, grow_best_first
 from .events import RowUpdate
 from .matrix import AdjacencyMatrix
 from .tree import TreeBuffers, chain_tree, tree_from_parents
@@ -237,22 +237,6 @@ class BranchAcceptance:
             row[j] += self.rate * (float(hit) - row[j])
 
 
-def step_time(sizes: Sequence[int], step_ms: Sequence[float], nodes: int) -> float:
-    """The step time (ms) of ``nodes`` nodes, linear between the candidate ``sizes``' ``step_ms``, flat below the
-    first and on the last segment's slope (not below 0) beyond the last.
-
-    >>> [step_time([1, 3], [10.0, 12.0], n) for n in range(6)]
-    [10.0, 10.0, 11.0, 12.0, 13.0, 14.0]
-    """
-    if len(sizes) == 1 or nodes <= sizes[0]:
-        return step_ms[0]
-    i = min(bisect_left(sizes, nodes), len(sizes) - 1)  # the segment sizes[i - 1] .. sizes[i]
-    slope = (step_ms[i] - step_ms[i - 1]) / (sizes[i] - sizes[i - 1])
-    if nodes > sizes[-1]:
-        return step_ms[-1] + max(slope, 0.0) * (nodes - sizes[-1])
-    return step_ms[i - 1] + slope * (nodes - sizes[i - 1])
-
-
 def split_budget(sizes: Sequence[int], step_ms: Sequence[float], expected_tokens: Sequence[float],
                  branch: Sequence[float], max_size: int, min_size: int = 1) -> tuple[int, int]:
     """The matrix tree's size n (one of the candidate ``sizes``, nodes with the root, from ``min_size`` to
@@ -390,13 +374,17 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         if not self._timed:
             return rows  # the root alone was verified (the context's end): nothing to learn about the draft
         nodes = path.tolist()
-        self.budget.observe_path([self._positions[m] for m in (self._matrix_nodes[i] for i in nodes[1:]) if m >= 0])
+        self._teach_matrix([m for m in (self._matrix_nodes[i] for i in nodes[1:]) if m >= 0])
         if self._chain:
             produced = tokens[path[1:]].tolist() + [int(top[nodes[-1], 0])]
             agree = _agreement(self._chain, produced)
             known = max(self._drafted, len(nodes))  # drafted nodes, and those the produced tokens decide
             self.branch.observe(self._match, [j < agree for j in range(min(known, len(self._chain)))])
         return rows
+
+    def _teach_matrix(self, accepted: list[int]) -> None:
+        """The budget learns the accepted matrix nodes (indices into the matrix tree), by likeliest-first place."""
+        self.budget.observe_path([self._positions[m] for m in accepted])
 
     def observe(self, forward_ms: float) -> None:
         if self._timed:  # the time of the matrix tree alone, by the ratio of the estimated step times
@@ -409,32 +397,54 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
 
 class PlusRecyclingDrafter(ContextRecyclingDrafter):
     """``tr-plus``: the context branch of ``ContextRecyclingDrafter`` grafted onto the best-first tree of
-    ``dynamic.grow_best_first`` (instead of the budget's fixed likeliest-first trees), in one node budget: the
-    budget's size is shared between the two by ``split_budget`` as for ``tr-context``, and the budget learns the
-    accepted best-first places. The matrix must keep probabilities (``AdjacencyMatrix.with_probs``)."""
+    ``dynamic.grow_best_first``, in one node budget: ``split_budget`` weighs the best-first tree's expected tokens at
+    each size (this step's path probabilities, calibrated: ``dynamic.PathCalibration``) and the branch's against the
+    budget's step-time estimates. The budget learns step times (scaled to its best size); the calibration, the
+    accepted best-first nodes. The matrix must keep probabilities (``AdjacencyMatrix.with_probs``)."""
 
     name = "tr-plus"
     wants_probs = True
 
     def __init__(self, matrix: AdjacencyMatrix, nested: NestedTrees, budget: TreeBudget,
-                 seed_from_prompt: bool = False, **options):
+                 seed_from_prompt: bool = False, calibration: PathCalibration | None = None, max_grow: int = 32,
+                 **options):
         if matrix.probs is None:
             raise ValueError("tr-plus needs a matrix that keeps probabilities: call with_probs() first")
         super().__init__(matrix, nested, budget, seed_from_prompt, **options)
+        self.calibration, self.max_grow = calibration or PathCalibration(), max_grow
+        self._predicted: list[float] = []  # the drafted best-first nodes' path probabilities (root first)
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
         self.index = caught_up(self.index, context)
         trie = self.index.continuations(self.max_branch, self.max_occurrences)
         self._match, self._chain = trie.match, trie.chain(self.max_branch)
-        size, length = self._split()
-        self.budget.current = self._index[size]
-        tokens, parents, ranks, _ = grow_best_first(self.matrix, root, size - 1)
-        n = len(tokens)  # fewer than ``size`` where few rows have probabilities above 0 (a cold matrix)
-        self._positions, self._drafted = list(range(n)), length  # a node's best-first place is its index here
+        budget = self.budget
+        tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root,
+                                                             min(budget.sizes[-1], self.max_grow + 1) - 1)
+        sizes = list(range(1, len(tokens) + 1))
+        estimated = budget.step_ms()
+        step_ms = [step_time(budget.sizes, estimated, n) for n in sizes]
+        expected = expected_by_size(path_probs, sizes, self.calibration.factor)
+        size, length = split_budget(sizes, step_ms, expected,
+                                    self.branch.estimates(self._match)[:len(self._chain)], sizes[-1])
+        budget.current, budget.exploring = budget.best, False  # observe: the time scaled to the budget's best size
+        self._step_ms = estimated
+        tokens, parents, ranks, self._predicted = tokens[:size], parents[:size], ranks[:size], path_probs[:size]
+        self._positions, self._drafted = list(range(size)), length  # a node's best-first place is its index here
         drafted, parents = graft(tokens, parents, self._chain[:length])
-        new = len(drafted) - n
+        new = len(drafted) - size
         self.tree, order = tree_from_parents(parents, ranks + [-1] * new, name="tr-plus",
-                                             sources=["root"] + ["best-first"] * (n - 1) + ["context"] * new)
-        self._matrix_nodes = [j if j < n else -1 for j in order]
-        self._report.update(context_branch=length, match=self._match, matrix_nodes=n - 1)
+                                             sources=["root"] + ["best-first"] * (size - 1) + ["context"] * new)
+        self._matrix_nodes = [j if j < size else -1 for j in order]
+        self._report = {**budget.estimates(), "step_ms": [round(t, 3) for t in estimated],
+                        "expected_tokens": [round(t, 4) for t in expected_by_size(path_probs, budget.sizes,
+                                                                                  self.calibration.factor)],
+                        "best": size - 1, "explored": False, "chosen_by": "path probabilities",
+                        "calibration": round(self.calibration.factor, 4), "context_branch": length,
+                        "match": self._match, "matrix_nodes": size - 1}
+        self._report["tokens_per_s"] = [round(1e3 * t / ms, 3) for t, ms in zip(self._report["expected_tokens"],
+                                                                               estimated)]
         return torch.tensor([drafted[j] for j in order], dtype=torch.long, device=context.device), self.tree
+
+    def _teach_matrix(self, accepted: list[int]) -> None:
+        self.calibration.observe(sum(self._predicted[1:]), len(accepted))

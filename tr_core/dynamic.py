@@ -10,6 +10,12 @@ its parent, so nodes come out with non-increasing path probability and every pre
 
 Rows never written have probability 0: their children are never drafted, so a cold matrix drafts a smaller tree
 (the root alone at first). Rows whose probabilities are unknown read as the matrix's prior (``AdjacencyMatrix.prior``).
+
+How many nodes: with a tree budget, each step's own path probabilities decide. The sum of the drafted nodes' path
+probabilities is the step's expected accepted drafts (times a calibration learned from what was accepted:
+``PathCalibration``; the matrix's probabilities are from earlier contexts), and the budget's running step-time
+estimates say what each size costs; the step drafts the size with the most expected tokens per ms
+(``choose_size``). A step after a confident token drafts a deep tree; one after an uncertain token, none.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import heapq
 
 import torch
 
-from .budget import TreeBudget
+from .budget import TreeBudget, step_time
 from .drafters import RecyclingDrafter
 from .events import RowUpdate
 from .matrix import AdjacencyMatrix
@@ -70,13 +76,71 @@ def grow_best_first(matrix: AdjacencyMatrix, root: int,
         path_probs.append(-neg)
 
 
+class PathCalibration:
+    """How many drafts were accepted per unit of estimated path probability: a running ratio (each sum decays by
+    ``keep`` a step), started at 1. The matrix's probabilities were written in earlier contexts, so they are
+    neither exact nor unbiased for this one.
+
+    >>> c = PathCalibration(keep=0.5)
+    >>> c.observe(predicted=2.0, accepted=1); round(c.factor, 3)  # (0.5 + 1) / (0.5 + 2)
+    0.6
+    """
+
+    def __init__(self, keep: float = 0.97):
+        self.keep, self.predicted, self.accepted = keep, 1.0, 1.0
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.predicted
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        self.predicted = self.keep * self.predicted + predicted
+        self.accepted = self.keep * self.accepted + accepted
+
+
+def expected_by_size(path_probs: list[float], sizes, factor: float) -> list[float]:
+    """Expected tokens of a step (the bonus included) at each of ``sizes`` (nodes, root included) of a best-first
+    tree whose nodes have ``path_probs`` (root first): 1 + ``factor`` x the first size - 1 drafts' probabilities.
+
+    >>> expected_by_size([1.0, 0.5, 0.25], [1, 2, 3, 5], 1.0)
+    [1.0, 1.5, 1.75, 1.75]
+    """
+    total, sums = 0.0, [0.0]
+    for p in path_probs[1:]:
+        total += p
+        sums.append(total)
+    return [1.0 + factor * sums[min(n, len(sums)) - 1] for n in sizes]
+
+
+def choose_size(path_probs: list[float], sizes, step_ms, factor: float) -> int:
+    """The number of nodes (root included, at most ``len(path_probs)``) with the most expected tokens per ms: 1 +
+    ``factor`` x the drafts' path probabilities over the step time interpolated from ``step_ms`` at ``sizes``; the
+    smaller on a tie.
+
+    >>> choose_size([1.0, 0.9, 0.8, 0.1], [1, 4], [10.0, 13.0], 1.0)  # 2.7 / 12 ms beats 2.8 / 13 ms
+    3
+    >>> choose_size([1.0, 0.1, 0.05], [1, 4], [10.0, 13.0], 1.0)      # nothing pays
+    1
+    """
+    best, best_rate, tokens = 1, 0.0, 1.0
+    for n in range(1, len(path_probs) + 1):
+        if n > 1:
+            tokens += factor * path_probs[n - 1]
+        rate = tokens / step_time(sizes, step_ms, n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
 class DynamicRecyclingDrafter(RecyclingDrafter):
     """Token Recycling whose draft tree is grown best-first each step (``grow_best_first``) from a matrix that keeps
     probabilities, and whose update writes each tree token's row with its top-k ids and their probabilities.
 
     The node budget is ``max_nodes`` draft nodes every step or, with ``budget`` (a ``TreeBudget``, shared, not
-    copied), the size it chooses each step; give one of them. The budget learns which best-first places were
-    accepted and, when the tree had the size it chose, how long the step's forward took.
+    copied), the size this step's path probabilities favour over the budget's step-time estimates (``choose_size``,
+    up to the budget's largest size; see the module docstring); give one of them. The budget learns the step times
+    (scaled to its best size by its estimated curve) and, for its chart, which best-first places were accepted;
+    ``calibration`` (shareable, like the budget) how many drafts were accepted per unit of path probability.
 
     ``last_path_probs``: the path probability of every node of the tree proposed last, in its BFS order (root 1.0).
     """
@@ -85,7 +149,7 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
     wants_probs = True
 
     def __init__(self, matrix: AdjacencyMatrix, max_nodes: int | None = None, budget: TreeBudget | None = None,
-                 seed_from_prompt: bool = False):
+                 seed_from_prompt: bool = False, calibration: PathCalibration | None = None, max_grow: int = 32):
         if matrix.probs is None:
             raise ValueError("tr-dynamic needs a matrix that keeps probabilities: call with_probs() first")
         if (max_nodes is None) == (budget is None):
@@ -94,19 +158,44 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
             raise ValueError(f"max_nodes must be at least 0, got {max_nodes}")
         super().__init__(matrix, chain_tree(0), seed_from_prompt)
         self.max_nodes, self.budget = max_nodes, budget
+        self.calibration, self.max_grow = calibration or PathCalibration(), max_grow
         self.last_path_probs: list[float] = [1.0]
+        self._report: dict = {}
+        self._predicted = 0.0
         self._chosen = 0  # draft nodes asked for this step
         self._positions: list[int] = [0]  # each tree node's place in best-first order (root 0)
         self._timed = False
 
     def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
-        self._chosen = self.budget.choose() - 1 if self.budget is not None else self.max_nodes
-        tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root, self._chosen)
+        if self.budget is None:
+            tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root, self.max_nodes)
+            self._chosen = self.max_nodes
+        else:
+            tokens, parents, ranks, path_probs = grow_best_first(
+                self.matrix, root, min(self.budget.sizes[-1], self.max_grow + 1) - 1)
+            n = self._size(path_probs)
+            tokens, parents, ranks, path_probs = tokens[:n], parents[:n], ranks[:n], path_probs[:n]
+            self._chosen = n - 1
         n = len(tokens) - 1
         self.tree, order = tree_from_parents(parents, ranks, name="dynamic", sources=["root"] + ["best-first"] * n)
         self._positions = order  # the tree's node j was popped order[j]-th
         self.last_path_probs = [path_probs[i] for i in order]
         return torch.tensor([tokens[i] for i in order], dtype=torch.long, device=context.device), self.tree
+
+    def _size(self, path_probs: list[float]) -> int:
+        """This step's size (nodes, root included) by ``choose_size``; keeps what it was chosen from for the
+        report, in the budget's terms, with the expected tokens of this step's own tree at every size."""
+        budget, factor = self.budget, self.calibration.factor
+        step_ms = budget.step_ms()
+        n = choose_size(path_probs, budget.sizes, step_ms, factor)
+        expected = expected_by_size(path_probs, budget.sizes, factor)
+        self._report = {**budget.estimates(), "step_ms": [round(t, 3) for t in step_ms],
+                        "expected_tokens": [round(t, 4) for t in expected],
+                        "tokens_per_s": [round(1e3 * t / ms, 3) for t, ms in zip(expected, step_ms)],
+                        "best": n - 1, "explored": False, "chosen_by": "path probabilities",
+                        "calibration": round(factor, 4)}
+        self._predicted = sum(path_probs[1:n])  # the drafts' path probabilities, before calibration
+        return n
 
     def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
                probs: torch.Tensor | None) -> list[RowUpdate]:
@@ -120,16 +209,26 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
         # the loop verifies the root alone near the context's end: that step says nothing of this tree
         self._timed = tokens.numel() == self.tree.size
         if self.budget is not None and self._timed:
-            self.budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+            accepted = path.numel() - 1
+            self.calibration.observe(self._predicted, accepted)
+            budget = self.budget
+            budget.current, budget.exploring = budget.best, False  # its size's time, scaled (observe)
+            drafted = {self._positions[i] for i in range(1, self.tree.size)}
+            if drafted == set(range(1, budget.sizes[budget.best])):  # the budget's own size ran: teach it places
+                budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 
     def observe(self, forward_ms: float) -> None:
-        if self.budget is not None and self._timed and self.tree.size == self._chosen + 1:
-            self.budget.observe_time(forward_ms)
+        if self.budget is not None and self._timed:
+            # the time of the budget's best size, by the ratio of the estimated step times
+            budget = self.budget
+            estimated = budget.step_ms()
+            ran = step_time(budget.sizes, estimated, self.tree.size)
+            budget.observe_time(forward_ms * estimated[budget.current] / ran)
 
     def budget_report(self) -> tuple[int | None, dict]:
         """The draft nodes the budget chose for the step just proposed (the tree may hold fewer, where fewer nodes
         have a probability above 0) and its estimates, or ``(None, {})`` without a budget."""
         if self.budget is None:
             return None, {}
-        return self._chosen, self.budget.estimates()
+        return self._chosen, self._report

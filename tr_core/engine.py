@@ -241,15 +241,17 @@ class Engine:
 
     def _beyond_paper(self, method: str, nested: NestedTrees, budget: TreeBudget, seed: bool) -> Drafter:
         from .context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
-        from .dynamic import DynamicRecyclingDrafter
-        if method != "tr-context":
-            self.matrix.with_probs()  # a best-first tree needs each candidate's probability (unknown ones: a prior)
-        if method == "tr-dynamic":
-            return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed)
-        # how often context branches were accepted, by match length: learned across requests, like the budget
+        from .dynamic import DynamicRecyclingDrafter, PathCalibration
+        # what the method learns besides step times, kept across requests like the budget: how often context
+        # branches were accepted (by match length), how many drafts a unit of path probability brings
         branch = self.budgets.setdefault(method + ":branch", BranchAcceptance())
-        drafter = ContextRecyclingDrafter if method == "tr-context" else PlusRecyclingDrafter
-        return drafter(self.matrix, nested, budget, seed, branch=branch)
+        calibration = self.budgets.setdefault(method + ":calibration", PathCalibration())
+        if method == "tr-context":
+            return ContextRecyclingDrafter(self.matrix, nested, budget, seed, branch=branch)
+        self.matrix.with_probs()  # a best-first tree needs each candidate's probability (unknown ones: a prior)
+        if method == "tr-dynamic":
+            return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed, calibration=calibration)
+        return PlusRecyclingDrafter(self.matrix, nested, budget, seed, calibration=calibration, branch=branch)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)

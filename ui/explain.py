@@ -21,7 +21,7 @@ def clamp(index: int) -> int:
 
 
 def indicator_html(index: int) -> str:
-    """``Step 3 of 8`` and one pill per step, the current one marked."""
+    """``Step 3 of 9`` and one pill per step, the current one marked."""
     pills = "".join(f'<span class="tr-pill{" tr-pill-on" * (i == index)}" title="{escape(s.title)}">{i + 1}</span>'
                     for i, s in enumerate(STEPS))
     return (f'<div class="tr-steps" data-step="{index + 1}"><b>Step {index + 1} of {len(STEPS)}</b> {pills}'

@@ -1,11 +1,13 @@
-"""The lesson of the "How it works" tab: Token Recycling in eight steps, each drawn from a real recorded run.
+"""The lesson of the "How it works" tab: Token Recycling in eight steps, each drawn from a real recorded run, and a
+ninth on this project's methods beyond the paper, quoting a shipped benchmark summary.
 
 The steps are data (``STEPS``: a title, a Markdown text with ``{fields}`` filled from the trace by ``facts``, and a
 function drawing the step's figure from the trace). Everything comes from ``assets/traces/`` (``python -m
-tr_core.record_trace``) and the shipped acceptance statistics: no model, and no torch.
+tr_core.record_trace``), the shipped acceptance statistics and benchmark summary (``python -m tr_core.bench_summary``):
+no model, and no torch.
 
     lesson = load_lesson()
-    step_text(lesson, 2), step_figure(lesson, 2)      # step 3 of 8: retrieval
+    step_text(lesson, 2), step_figure(lesson, 2)      # step 3 of 9: retrieval
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from tr_core.assets import TRACES_DIR, acceptance_path
-from visualize import label, load_trace, mask_figure, matrix_figure, text_lookup, tree_figure, visible
+from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
+from tr_core.methods import METHODS
+from visualize import label, load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import passes_figure, retrieval_figure, row_figure, tree_size_table_figure
 from visualize.trace import TokenNamer
 
@@ -43,6 +46,7 @@ class Lesson:
     acceptance: dict  # assets/acceptance/<model>.json
     featured: int  # the index in ``hot.events`` of the step that steps 2-6 look at
     figures: dict = field(default_factory=dict, repr=False)  # step index -> its figure, drawn once
+    benchmark: dict = field(default_factory=lambda: {"runs": []})  # assets/benchmarks/beyond_paper.json
 
     @property
     def event(self):
@@ -70,7 +74,8 @@ def featured_step(events: list) -> int:
 def load_lesson(folder: Path = TRACES_DIR) -> Lesson:
     hot, cold = load_run("hot", folder), load_run("cold", folder)
     acceptance = json.loads(acceptance_path(hot.meta["model"]).read_text())
-    return Lesson(hot, cold, acceptance, featured_step(hot.events))
+    benchmark = json.loads(BEYOND_PAPER.read_text()) if BEYOND_PAPER.is_file() else {"runs": []}
+    return Lesson(hot, cold, acceptance, featured_step(hot.events), benchmark=benchmark)
 
 
 # --- the numbers the texts quote -----------------------------------------------------------------------------------
@@ -116,7 +121,53 @@ def facts(lesson: Lesson) -> dict:
         cost81=sizes[max(sizes)]["step_ms"] / t_ms[1], paper_nodes=max(sizes),
         paper_speedup=sizes[max(sizes)]["predicted_speedup"], best_n=best["nodes"],
         best_speedup=best["predicted_speedup"], best_tokens=best["expected_accepted"],
+        **beyond_facts(lesson.benchmark),
     )
+
+
+BEYOND = ("tr-context", "tr-dynamic", "tr-plus")
+
+
+def _interval(m: dict) -> str:
+    ci = m.get("speedup_ci95")
+    return f"{m['speedup_median']:.2f}×" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def beyond_facts(benchmark: dict) -> dict:
+    """The ninth step's fields, from the shipped benchmark summary: the setting, a table of every method in every
+    run, and, per run, how the best method beyond the paper compared with Token Recycling and Prompt Lookup."""
+    runs = benchmark.get("runs", [])
+    if not runs:
+        return dict(beyond_setting="No benchmark summary is shipped with this build.", beyond_table="",
+                    beyond_verdict="")
+    first = runs[0]
+    setting = (f"Measured on {first.get('cpu', 'this project’s machine')} ({first.get('threads', '?')} threads), "
+               f"Spec-Bench, {first.get('questions', '?')} questions, {first.get('max_new_tokens', '?')} new tokens "
+               f"each, every method on the same questions, alternated, in one run per mode")
+    modes = [r.get("mode", "?") for r in runs]
+    head = "| method | " + " | ".join(f"{m}: speedup [95%] | tokens/pass | nodes/step" for m in modes) + " |"
+    rows = [head, "|---" * (1 + 3 * len(runs)) + "|"]
+    names = [n for n in runs[0]["methods"] if n != "plain" and not n[3:].isdigit()]
+    for name in names:
+        cells = []
+        for run in runs:
+            m = run["methods"].get(name)
+            cells += ([_interval(m), f"{m['mean_accepted_tokens']:.2f}", f"{m.get('mean_draft_nodes', 0):.1f}"]
+                      if m else ["", "", ""])
+        label_ = METHODS[name].label if name in METHODS else name
+        rows.append(f"| {label_} (`{name}`) | " + " | ".join(cells) + " |")
+    verdicts = []
+    for run in runs:
+        beyond = [n for n in BEYOND if n in run["methods"]]
+        if not beyond:
+            continue
+        best = max(beyond, key=lambda n: run["methods"][n]["speedup_median"])
+        pairs = {p["against"]: p for p in run.get("pairwise", []) if p["method"] == best}
+        against = "; ".join(f"against {METHODS[a].label}: {_interval(p)}, {p['verdict']}"
+                            for a, p in pairs.items() if a in METHODS)
+        verdicts.append(f"In {run.get('mode', '?')} mode the best of them was **{METHODS[best].label}** "
+                        f"(`{best}`), {_interval(run['methods'][best])} over plain decoding ({against}).")
+    return dict(beyond_setting=setting, beyond_table="\n".join(rows), beyond_verdict=" ".join(verdicts))
 
 
 def _depth(event) -> int:
@@ -294,6 +345,28 @@ pass. Their ratio, the predicted speedup, peaks at **{best_n} nodes** ({best_spe
 per pass) on that machine; a tree the size of `{tree}` at {small_speedup:.2f}×, the paper's tree at
 {paper_speedup:.2f}×. The app's `auto` tree is
 chosen this way for each model and machine: the biggest tree is not the fastest everywhere.""", _tree_sizes),
+    Step("Beyond the paper: drafts from the context, and a tree grown where the matrix is sure", """On a small CPU only a few draft nodes pay for themselves (step 8), and the paper's fixed template spends them the
+same way at every step. This app adds methods of its own beside the paper's, each as exact as it (the same one-pass
+verification, so the same text as plain decoding):
+
+- **Token Recycling + context** (`tr-context`): when the text so far contains an earlier occurrence of its last
+  tokens, what followed that occurrence is grafted onto the matrix's tree as an extra branch. The branch and the
+  matrix tree share one node budget: a branch gets nodes in proportion to how often branches after matches of its
+  length were accepted.
+- **best-first tree** (`tr-dynamic`): the matrix also keeps each candidate's probability, and each step's tree grows
+  towards the likeliest paths, instead of a fixed template.
+- **both** (`tr-plus`), and, as a third baseline beside Prompt Lookup, **Suffix decoding** (`suffix`): a small tree
+  of the continuations that most often followed the longest earlier match.
+
+{beyond_setting}:
+
+{beyond_table}
+
+{beyond_verdict} A draft node only pays where it is accepted often enough to cover what it adds to the pass; on
+this kind of machine that is a node or two, so the extensions' gains stay small. Pick them in the Live tab and in
+the race to see their trees: nodes copied from the context are diamonds on a green edge, best-first nodes
+squares.""", lambda lesson: methods_figure(lesson.benchmark["runs"]) if lesson.benchmark["runs"] else
+         go.Figure().update_layout(title="no benchmark summary shipped")),
 ]
 
 

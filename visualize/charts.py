@@ -4,6 +4,7 @@
     speedup_figure(benchmark)                             speedup (median, interval) and mean accepted tokens
     accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each step produced
     tree_size_figure(benchmark)                           predicted and measured speedup against tree size
+    methods_figure(runs)                                  per run (mode), every method's median speedup and interval
 
 ``benchmark`` is the benchmark's JSON::
 
@@ -199,4 +200,37 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
         xaxis=dict(title="tree nodes, root included (log scale)", type="log", gridcolor="#EEEEEE"),
         yaxis=dict(title="speedup over plain", gridcolor="#EEEEEE", rangemode="tozero"),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    return fig
+
+
+def methods_figure(runs: Sequence[dict]) -> go.Figure:
+    """One panel per benchmark run (``tr_core.bench_summary``'s entries, e.g. exact and fast mode): a horizontal
+    bar per method, its median speedup over plain decoding with the 95% interval, the bar's text giving the tokens
+    per forward pass. Plain decoding is the dashed line at 1."""
+    fig = make_subplots(rows=1, cols=len(runs), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[f"{r.get('mode', '?')} mode ({r.get('mode_note', '')})" for r in runs])
+    for col, run in enumerate(runs, start=1):
+        names = [n for n in run["methods"] if n != "plain"]
+        for index, name in enumerate(names):
+            m = run["methods"][name]
+            ci = m.get("speedup_ci95")
+            colour, _ = method_style(name, index)
+            error = None if not ci else dict(type="data", symmetric=False, color="#555555", thickness=1.5, width=3,
+                                             array=[ci[1] - m["speedup_median"]],
+                                             arrayminus=[m["speedup_median"] - ci[0]])
+            fig.add_trace(go.Bar(
+                x=[m["speedup_median"]], y=[name], orientation="h", error_x=error, showlegend=False,
+                marker=dict(color=colour), text=[f"{m['speedup_median']:.2f}×, {m['mean_accepted_tokens']:.2f}/pass"],
+                textposition="inside", insidetextanchor="start", textfont=dict(color="white", size=11),
+                hovertemplate=(f"<b>{escape(name)}</b><br>median speedup %{{x:.2f}}×"
+                               + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+                               + f"<br>{m['mean_accepted_tokens']:.2f} tokens per forward pass"
+                               + f"<br>{m.get('mean_draft_nodes', 0):.1f} draft nodes per step<extra></extra>")),
+                row=1, col=col)
+        fig.add_vline(x=1.0, line=dict(color=GREY, dash="dash"), row=1, col=col)
+    height = 90 + 34 * max(len(r["methods"]) for r in runs)
+    fig.update_layout(height=height, plot_bgcolor="white", margin=dict(l=90, r=20, t=60, b=40),
+                      title=dict(text="speedup over plain decoding (median, 95% interval)", font=dict(size=13)))
+    fig.update_xaxes(gridcolor="#EEEEEE", rangemode="tozero")
+    fig.update_yaxes(autorange="reversed")
     return fig

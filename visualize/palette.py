@@ -51,6 +51,10 @@ METHOD_STYLE: dict[str, tuple[str, str]] = {
     "plain": (BLACK, "dot"),
     "pld": (VERMILLION, "dash"),
     "tr": (BLUE, "solid"),
+    "suffix": (ORANGE, "dashdot"),
+    "tr-context": (BLUISH_GREEN, "longdash"),
+    "tr-dynamic": (SKY_BLUE, "longdashdot"),
+    "tr-plus": (REDDISH_PURPLE, "solid"),
 }
 _SPARE = [(BLUISH_GREEN, "dashdot"), (REDDISH_PURPLE, "longdash"), (ORANGE, "longdashdot"), (SKY_BLUE, "solid")]
 BAR_PATTERNS = ["", "/", ".", "x", "\\", "+", "-", "|"]
