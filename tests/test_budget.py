@@ -214,3 +214,22 @@ def test_the_budget_figure_of_a_step_without_a_budget_says_so():
                       tree_text=[""], predicted=[2], accepted_path=[0], bonus_token=2, new_tokens=[2], new_text="")
     fig = budget_figure(event)
     assert not fig.data and fig.layout.title.text.startswith("step 3: no tree budget")
+
+
+def test_the_budget_figure_of_a_best_first_step_with_a_context_branch_marks_a_size_between_candidates():
+    from tr_core.events import StepEvent
+    from visualize import budget_figure
+
+    est = {"sizes": [0, 2, 4], "step_ms": [10.0, 11.0, 13.0], "expected_tokens": [1.0, 1.8, 2.2],
+           "tokens_per_s": [100.0, 163.6, 169.2], "best": 3, "explored": False, "speed": 1.0,
+           "chosen_by": "path probabilities", "calibration": 0.8, "context_branch": 2, "match": 5, "matrix_nodes": 3}
+    n = 6
+    event = StepEvent(step=7, method="tr-plus", tree_name="tr-plus", tree_tokens=[1] * n, tree_parents=[-1] * n,
+                      tree_ranks=[0] * n, tree_text=[""] * n, predicted=[0] * n, accepted_path=[0], bonus_token=0,
+                      new_tokens=[0], new_text="", budget=5, budget_estimates=est)
+    fig = budget_figure(event)
+    line, chosen = fig.data
+    assert list(chosen.x) == [3] and chosen.y[0] == pytest.approx((163.6 + 169.2) / 2)  # between 2 and 4 nodes
+    title = fig.layout.title.text.replace("<br>", " ")
+    assert title.startswith("step 7: 5 draft nodes (3 from the matrix + 2 from the context)")
+    assert "own path probabilities (x0.80" in title

@@ -24,18 +24,43 @@ BEST = "the most expected tokens/s"
 EXPLORED = "explored: a neighbour, to keep its estimate fresh"
 
 
+def rate_at(est: dict, size: int) -> float:
+    """The expected tokens/s at ``size`` draft nodes: the estimate there, or interpolated between the candidate
+    sizes around it (a best-first or grafted tree's size need not be a candidate).
+
+    >>> rate_at({"sizes": [0, 4], "tokens_per_s": [20.0, 30.0]}, 1)
+    22.5
+    """
+    sizes, rates = est["sizes"], est["tokens_per_s"]
+    if size <= sizes[0]:
+        return rates[0]
+    for (a, ra), (b, rb) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
+        if size <= b:
+            return ra + (rb - ra) * (size - a) / (b - a)
+    return rates[-1]
+
+
+def _parts(est: dict) -> str:
+    """`` (3 from the matrix + 2 copied from the context)`` for a tree with a context branch, else ``""``."""
+    branch = est.get("context_branch")
+    return f" ({est['matrix_nodes']} from the matrix + {branch} from the context)" if branch else ""
+
+
 def budget_title(event: StepEvent) -> str:
     """Why the step drafted the nodes it did, e.g. ``"step 12: 6 draft nodes, the most expected tokens/s (31.2) at
     the step times measured so far"``."""
     est = event.budget_estimates
     if event.budget is None or not est:
         return f"step {event.step}: no tree budget (only Token Recycling on the auto tree adapts its size)"
-    rates = dict(zip(est["sizes"], est["tokens_per_s"]))
+    if est.get("chosen_by") == "path probabilities":
+        return (f"step {event.step}: {event.budget} draft nodes{_parts(est)}, the most expected tokens/s from this "
+                f"step's own path probabilities (x{est['calibration']:.2f}, as calibrated) at the step times "
+                "measured so far")
     if not est["explored"]:
-        return (f"step {event.step}: {event.budget} draft nodes, the most expected tokens/s "
-                f"({rates[event.budget]:.1f}) at the step times measured so far")
-    return (f"step {event.step}: {event.budget} draft nodes, tried beside the best ({est['best']} nodes, "
-            f"{rates[est['best']]:.1f} tokens/s) to keep its estimate fresh")
+        return (f"step {event.step}: {event.budget} draft nodes{_parts(est)}, the most expected tokens/s "
+                f"({rate_at(est, est['best']):.1f}) at the step times measured so far")
+    return (f"step {event.step}: {event.budget} draft nodes{_parts(est)}, tried beside the best ({est['best']} "
+            f"nodes, {rate_at(est, est['best']):.1f} tokens/s) to keep its estimate fresh")
 
 
 def budget_figure(event: StepEvent) -> go.Figure:
@@ -54,16 +79,17 @@ def budget_figure(event: StepEvent) -> go.Figure:
                                  customdata=info, hovertemplate=hover))
 
         def mark(size: int, name: str, colour: str, symbol: str, marker_size: int) -> None:
-            i = sizes.index(size)
-            fig.add_trace(go.Scatter(x=[size], y=[rates[i]], mode="markers", name=name, customdata=[info[i]],
+            fig.add_trace(go.Scatter(x=[size], y=[rate_at(est, size)], mode="markers", name=name,
                                      marker=dict(color=colour, symbol=symbol, size=marker_size,
-                                                 line=dict(color=colour, width=2)), hovertemplate=hover))
+                                                 line=dict(color=colour, width=2)),
+                                     hovertemplate="%{x} draft nodes: %{y:.1f} tokens/s<extra></extra>"))
 
         if est["explored"]:
             mark(est["best"], BEST, BLUE, "circle-open", 14)
             mark(event.budget, EXPLORED, ORANGE, "diamond", 14)
         else:
-            mark(event.budget, CHOSEN, BLUE, "star", 18)
+            # a grafted tree's matrix part is what the curve prices; the branch adds its own expected tokens
+            mark(est.get("matrix_nodes", event.budget), CHOSEN, BLUE, "star", 18)
     # two lines: the size, then why (a phone-width chart cuts a one-line title)
     fig.update_layout(title=budget_title(event).replace(", ", ",<br>", 1), xaxis_title="draft nodes (tree size, root not counted)",
                       yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
