@@ -334,7 +334,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                                   "writes them)", open=False):
                     show_trace = gr.Button("Show the step events", size="sm", elem_id="show-trace")
                     trace = gr.JSON(elem_id="trace")
-            with gr.Tab("Race: plain vs Prompt Lookup vs Token Recycling", id="race", elem_id="race-tab"):
+            with gr.Tab("Race: Token Recycling against plain decoding and others", id="race", elem_id="race-tab"):
                 gr.Markdown(RACE_INTRO)
                 race_methods = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
                                                 label="Race against plain decoding", elem_id="race-methods")

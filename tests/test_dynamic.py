@@ -141,7 +141,7 @@ def test_each_step_drafts_the_size_its_path_probabilities_favour_over_the_budget
     # accepted root -> 2 -> 4 (BFS nodes 0, 1, 3), the budget's own size ran: it learns the places
     drafter.update(tokens, torch.tensor([0, 1, 3]), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
     assert flat.acceptance == [1.0, 0.75, 0.75, 0.25]
-    assert drafter.calibration.factor == pytest.approx((0.97 + 2) / (0.97 + 1.125))  # 2 accepted for 1.125
+    assert drafter.calibration.factor == pytest.approx((1 + 2) / (1 + 1.125))  # 2 accepted for 1.125
     drafter.observe(20.0)
     assert flat.speed > 1  # the step took twice the calibrated time
     # near the context's end the loop verifies the root alone: nothing is learned from that step

@@ -23,6 +23,28 @@ SETTING_KEYS = ("mode", "mode_note", "cpu", "threads", "questions", "per_categor
                 "arguments")
 
 
+FLIPPED_VERDICT = {"faster": "slower", "slower": "faster"}
+
+
+def facing(pair: dict, against: str) -> dict:
+    """A pairwise comparison turned to face ``against`` (``"tr"`` or ``"pld"``): the benchmark compares each later
+    method with each earlier one, so a pair may come the other way round; its ratio, interval and verdict flip.
+
+    >>> facing({"method": "tr", "against": "tr-plus", "speedup_median": 0.8, "speedup_ci95": [0.5, 1.0],
+    ...         "verdict": "slower", "by_category": {"qa": {"speedup_median": 0.5}}}, "tr")
+    {'method': 'tr-plus', 'against': 'tr', 'speedup_median': 1.25, 'speedup_ci95': [1.0, 2.0], 'verdict': 'faster', 'by_category': {'qa': 2.0}}
+    """
+    by_category = {c: v["speedup_median"] for c, v in pair.get("by_category", {}).items()}
+    if pair["against"] == against:
+        return {**{k: pair[k] for k in ("method", "against", "speedup_median", "speedup_ci95", "verdict") if k in pair},
+                "by_category": by_category}
+    ci = pair.get("speedup_ci95")
+    return {"method": pair["against"], "against": against, "speedup_median": round(1 / pair["speedup_median"], 4),
+            "speedup_ci95": [round(1 / ci[1], 4), round(1 / ci[0], 4)] if ci else ci,
+            "verdict": FLIPPED_VERDICT.get(pair.get("verdict"), pair.get("verdict")),
+            "by_category": {c: round(1 / v, 4) for c, v in by_category.items()}}
+
+
 def summarize_run(results: dict) -> dict:
     """One run's entry, from its ``results.json`` as a dict.
 
@@ -36,9 +58,9 @@ def summarize_run(results: dict) -> dict:
     for name, m in results["methods"].items():
         methods[name] = {k: m[k] for k in METHOD_KEYS if k in m}
         methods[name]["by_category"] = {c: v["speedup_median"] for c, v in m.get("by_category", {}).items()}
-    pairs = [{**{k: pair[k] for k in ("method", "against", "speedup_median", "speedup_ci95", "verdict") if k in pair},
-              "by_category": {c: v["speedup_median"] for c, v in pair.get("by_category", {}).items()}}
-             for pair in results.get("pairwise", []) if pair.get("against") in ("tr", "pld")]
+    pairs = [facing(pair, against) for pair in results.get("pairwise", []) for against in ("tr", "pld")
+             if against in (pair.get("method"), pair.get("against")) and pair.get("method") != pair.get("against")]
+    pairs = [p for p in pairs if p["method"] not in ("tr", "pld") or p["method"] > p["against"]]
     return {**{k: config[k] for k in SETTING_KEYS if k in config}, "methods": methods, "pairwise": pairs}
 
 

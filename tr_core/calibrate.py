@@ -247,7 +247,9 @@ def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, floa
     for count in range(0, limit + 1):
         if count:
             promised += acceptance[order[count - 1]]
-        expected = 1.0 + promised * size_factor(factors or {}, count + 1, source.size)
+        # never fewer expected tokens than a smaller tree's (measured factors carry noise)
+        expected = max(1.0 + promised * size_factor(factors or {}, count + 1, source.size),
+                       table[-1]["expected_accepted"] if table else 1.0)
         step_ms = interpolate(curve, count + 1) + overhead_ms
         speedup = expected / step_ms * plain_ms
         table.append({"nodes": count + 1, "expected_accepted": expected, "step_ms": step_ms,

@@ -336,7 +336,9 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         self.budget.current = i  # the budget learns about the matrix tree that runs (observe_path, observe_time)
         self._positions, self._drafted = self.nested.positions[i], length
         tokens, self.tree = self._graft(self.matrix.retrieve(root, self.nested.trees[i]), i, self._chain[:length])
-        self._report.update(context_branch=length, match=self._match, matrix_nodes=size - 1)
+        # context_branch: the nodes the branch added (its tokens the matrix tree already held are merged)
+        self._report.update(context_branch=self.tree.size - size, branch_length=length, match=self._match,
+                            matrix_nodes=size - 1)
         return tokens, self.tree
 
     def _split(self) -> tuple[int, int]:
@@ -421,16 +423,17 @@ class PlusRecyclingDrafter(ContextRecyclingDrafter):
         budget = self.budget
         tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root,
                                                              min(budget.sizes[-1], self.max_grow + 1) - 1)
-        sizes = list(range(1, len(tokens) + 1))
+        # the best-first tree's sizes priced on the budget's own candidate sizes and step times (a tree that stops
+        # short, at a cold root, is priced as the candidate size it falls in: its branch nodes are never free)
         estimated = budget.step_ms()
-        step_ms = [step_time(budget.sizes, estimated, n) for n in sizes]
-        expected = expected_by_size(path_probs, sizes, self.calibration.factor)
-        size, length = split_budget(sizes, step_ms, expected,
-                                    self.branch.estimates(self._match)[:len(self._chain)], sizes[-1])
+        expected = expected_by_size(path_probs, budget.sizes, self.calibration.factor)
+        size, length = split_budget(budget.sizes, estimated, expected,
+                                    self.branch.estimates(self._match)[:len(self._chain)], budget.sizes[-1])
+        size = min(size, len(tokens))
         budget.current, budget.exploring = budget.best, False  # observe: the time scaled to the budget's best size
         self._step_ms = estimated
         tokens, parents, ranks, self._predicted = tokens[:size], parents[:size], ranks[:size], path_probs[:size]
-        self._positions, self._drafted = list(range(size)), length  # a node's best-first place is its index here
+        self._drafted = length
         drafted, parents = graft(tokens, parents, self._chain[:length])
         new = len(drafted) - size
         self.tree, order = tree_from_parents(parents, ranks + [-1] * new, name="tr-plus",
@@ -440,8 +443,8 @@ class PlusRecyclingDrafter(ContextRecyclingDrafter):
                         "expected_tokens": [round(t, 4) for t in expected_by_size(path_probs, budget.sizes,
                                                                                   self.calibration.factor)],
                         "best": size - 1, "explored": False, "chosen_by": "path probabilities",
-                        "calibration": round(self.calibration.factor, 4), "context_branch": length,
-                        "match": self._match, "matrix_nodes": size - 1}
+                        "calibration": round(self.calibration.factor, 4), "context_branch": new,
+                        "branch_length": length, "match": self._match, "matrix_nodes": size - 1}
         self._report["tokens_per_s"] = [round(1e3 * t / ms, 3) for t, ms in zip(self._report["expected_tokens"],
                                                                                estimated)]
         return torch.tensor([drafted[j] for j in order], dtype=torch.long, device=context.device), self.tree

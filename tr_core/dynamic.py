@@ -79,11 +79,16 @@ def grow_best_first(matrix: AdjacencyMatrix, root: int,
 class PathCalibration:
     """How many drafts were accepted per unit of estimated path probability: a running ratio (each sum decays by
     ``keep`` a step), started at 1. The matrix's probabilities were written in earlier contexts, so they are
-    neither exact nor unbiased for this one.
+    neither exact nor unbiased for this one. Each step also adds ``1 - keep`` to both sums (a prior of weight 1 in
+    the steady state), so steps that draft nothing (nothing predicted, nothing accepted) pull the factor back
+    towards 1 and drafting resumes, instead of the factor freezing where it stopped it.
 
     >>> c = PathCalibration(keep=0.5)
-    >>> c.observe(predicted=2.0, accepted=1); round(c.factor, 3)  # (0.5 + 1) / (0.5 + 2)
-    0.6
+    >>> c.observe(predicted=2.0, accepted=1); round(c.factor, 3)  # (0.5 + 1 + 0.5) / (0.5 + 2 + 0.5)
+    0.667
+    >>> for _ in range(20): c.observe(0.0, 0)
+    >>> round(c.factor, 3)
+    1.0
     """
 
     def __init__(self, keep: float = 0.97):
@@ -94,8 +99,8 @@ class PathCalibration:
         return self.accepted / self.predicted
 
     def observe(self, predicted: float, accepted: int) -> None:
-        self.predicted = self.keep * self.predicted + predicted
-        self.accepted = self.keep * self.accepted + accepted
+        self.predicted = self.keep * self.predicted + predicted + (1 - self.keep)
+        self.accepted = self.keep * self.accepted + accepted + (1 - self.keep)
 
 
 def expected_by_size(path_probs: list[float], sizes, factor: float) -> list[float]:
@@ -213,8 +218,7 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
             self.calibration.observe(self._predicted, accepted)
             budget = self.budget
             budget.current, budget.exploring = budget.best, False  # its size's time, scaled (observe)
-            drafted = {self._positions[i] for i in range(1, self.tree.size)}
-            if drafted == set(range(1, budget.sizes[budget.best])):  # the budget's own size ran: teach it places
+            if self.tree.size == budget.sizes[budget.best]:  # the budget's own size ran (a best-first prefix): places
                 budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 

@@ -6,7 +6,7 @@
 
 On the "auto" tree (with the model's acceptance statistics) Token Recycling drafts with a tree budget
 (``budget.TreeBudget``), started from the fitted tree's size and the calibrated t(N), which the engine keeps across
-requests as it keeps the matrix: engines made by ``with_matrix``, and by ``with_config`` with an unchanged config,
+requests as it keeps the matrix: engines made by ``with_matrix``, and by ``with_config`` changing the method at most,
 share it (they run the same settings on the same model and machine, so each run teaches it step times and node
 acceptance by position in the tree; it holds no token); any other config starts a fresh one (``fresh_budget``).
 Each method keeps its own budget (``budget_for``): the beyond-the-paper methods (``methods.py``) size their trees
@@ -29,11 +29,12 @@ from .decoding import DecodeResult, _max_positions, decode, run
 from .drafters import AdaptiveRecyclingDrafter, Drafter, NestedTrees, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
 from .drafters import nested_trees
 from .events import StepEvent
-from .methods import METHODS as METHOD_INFO, NAMES, check as check_method
+from .methods import NAMES, check as check_method
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
 from .text import TokenText
-from .calibrate import DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, has_acceptance_stats, model_slug
+from .calibrate import (DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, context_curve, has_acceptance_stats,
+                        interpolate, model_slug)
 from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
@@ -143,7 +144,7 @@ class Engine:
 
     def budget_for(self, method: str) -> TreeBudget | None:
         """The tree budget ``method`` drafts with on this engine's settings, shared by every engine that shares
-        this one's budgets (``with_matrix``, ``with_config`` with an unchanged config); None where the tree does
+        this one's budgets (``with_matrix``, ``with_config`` changing the method at most); None where the tree does
         not adapt."""
         if not self.adaptive:
             return None
@@ -158,7 +159,7 @@ class Engine:
             return None
         table = self.fitted.table  # row n - 1: the n likeliest nodes
         expected = [row["expected_accepted"] for row in table]
-        acceptance = [1.0] + [b - a for a, b in zip(expected, expected[1:])]
+        acceptance = [1.0] + [max(0.0, b - a) for a, b in zip(expected, expected[1:])]
         sizes = self.nested.sizes
         return TreeBudget(sizes, [table[n - 1]["step_ms"] for n in sizes], acceptance, start=self.fitted.tree.size)
 
@@ -176,7 +177,7 @@ class Engine:
 
     def with_config(self, **changes) -> "Engine":
         """Another engine on the same loaded model with some settings changed (and its own matrix; the same tree
-        budget where the config is unchanged, else a fresh one). The mode is the loaded model's dtype: changing it
+        budgets where only the method changed, else fresh ones). The mode is the loaded model's dtype: changing it
         needs a new ``Engine.load``."""
         if "mode" in changes and changes["mode"] != self.config.mode:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
@@ -194,7 +195,8 @@ class Engine:
             engine.fitted, engine.tree = _resolve_tree(self.model, config)
             engine.nested = _nested_for(self.model, engine.fitted) if engine.adaptive else None
         # the same settings share the budgets: each run teaches its method's (see the module docstring)
-        engine.budgets = self.budgets if config == self.config else {}
+        same = replace(config, method=self.config.method) == self.config  # budgets are kept per method already
+        engine.budgets = self.budgets if same else {}
         engine.matrix = engine.fresh_matrix()
         return engine
 
@@ -229,14 +231,16 @@ class Engine:
 
     def _sizing(self, method: str) -> tuple[NestedTrees, TreeBudget]:
         """The trees and the budget a method beyond the paper sizes its drafts with: the "auto" tree's, or, on
-        another tree (or a model without acceptance statistics), that tree alone, at one size (its nodes in BFS
-        order stand for likeliest first; the budget then only learns acceptance)."""
+        another tree (or a model without acceptance statistics), that tree or the root alone, on the t(N) measured
+        for this model (``calibrate.context_curve``), the tree's nodes in BFS order standing for likeliest first."""
         if self.adaptive:
             return self.nested, self.budget_for(method)
-        nested = nested_trees(list(self.tree.node_paths[1:]), [self.tree.size], name=self.tree.name)
+        sizes = sorted({1, self.tree.size})
+        nested = nested_trees(list(self.tree.node_paths[1:]), sizes, name=self.tree.name)
         if method not in self.budgets:
+            curve = context_curve(self.model, self.config.fit_context)
             prior = [0.5 ** len(p) for p in self.tree.node_paths]  # the root's 1.0, then halving with depth
-            self.budgets[method] = TreeBudget([self.tree.size], [1.0], prior)
+            self.budgets[method] = TreeBudget(sizes, [interpolate(curve, n) for n in sizes], prior)
         return nested, self.budgets[method]
 
     def _beyond_paper(self, method: str, nested: NestedTrees, budget: TreeBudget, seed: bool) -> Drafter:

@@ -125,7 +125,7 @@ def facts(lesson: Lesson) -> dict:
     )
 
 
-BEYOND = ("tr-context", "tr-dynamic", "tr-plus")
+BEYOND = tuple(n for n, m in METHODS.items() if m.beyond_paper)
 
 
 def _interval(m: dict) -> str:
@@ -138,7 +138,7 @@ def beyond_facts(benchmark: dict) -> dict:
     run, and, per run, how the best method beyond the paper compared with Token Recycling and Prompt Lookup."""
     runs = benchmark.get("runs", [])
     if not runs:
-        return dict(beyond_setting="No benchmark summary is shipped with this build.", beyond_table="",
+        return dict(beyond_setting="No benchmark summary is shipped with this build", beyond_table="",
                     beyond_verdict="")
     first = runs[0]
     setting = (f"Measured on {first.get('cpu', 'this project’s machine')} ({first.get('threads', '?')} threads), "

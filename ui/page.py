@@ -11,10 +11,12 @@ token (the **bonus token**), and writes the new candidates back into the matrix.
 decoding's; only the number of forward passes shrinks."""
 
 RACE_INTRO = """\
-The same prompt through plain greedy decoding, Prompt Lookup Decoding (drafts copied from the prompt) and Token
-Recycling, with the model, tree and k above. Each is **measured alone**, one after another, so that none shares the
-CPU with another; then the three runs are **replayed side by side at the speed each was measured at**. All three must
-give the same answer as plain decoding: a difference (possible at floating-point near-ties) is shown, not hidden."""
+The same prompt through plain greedy decoding and the methods you pick below (by default Prompt Lookup Decoding,
+Token Recycling and its best extension beyond the paper), with the model, tree and k above. Each is **measured
+alone**, one after another, so that none shares the CPU with another, and each method that keeps a matrix starts from
+its own copy of yours; then the runs are **replayed side by side at the speed each was measured at**. Every method
+must give the same answer as plain decoding: a difference (possible at floating-point near-ties) is shown, not
+hidden."""
 
 TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last token), the drafts the matrix "
                     "proposed,<br>the path the model accepted, and the bonus token it added itself.")

@@ -149,7 +149,8 @@ class LiveRun(_ModelRun):
         """Decode, one snapshot per step (a finished run's last step comes as the final snapshot). The record in
         ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
         s = self.settings
-        self.record = self.session.begin_live(s.model_id, s.mode, s.tree, s.hot_start)
+        teaches = s.hot_start and METHODS[s.method].uses_matrix  # plain, pld and suffix leave the matrix as it was
+        self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches)
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method)
         while not self.stopped:
@@ -204,7 +205,7 @@ class Race(_ModelRun):
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return ("plain",) + tuple(m for m in self.settings.race_methods if m != "plain")
+        return ("plain",) + self.settings.race_methods  # checked: never plain again
 
     def prepare(self) -> None:
         super().prepare()

@@ -84,12 +84,12 @@ def budget_figure(event: StepEvent) -> go.Figure:
                                                  line=dict(color=colour, width=2)),
                                      hovertemplate="%{x} draft nodes: %{y:.1f} tokens/s<extra></extra>"))
 
+        ran = est.get("matrix_nodes", event.budget)  # a grafted tree's matrix part is what the curve prices
         if est["explored"]:
             mark(est["best"], BEST, BLUE, "circle-open", 14)
-            mark(event.budget, EXPLORED, ORANGE, "diamond", 14)
+            mark(ran, EXPLORED, ORANGE, "diamond", 14)
         else:
-            # a grafted tree's matrix part is what the curve prices; the branch adds its own expected tokens
-            mark(est.get("matrix_nodes", event.budget), CHOSEN, BLUE, "star", 18)
+            mark(ran, CHOSEN, BLUE, "star", 18)
     # two lines: the size, then why (a phone-width chart cuts a one-line title)
     fig.update_layout(title=budget_title(event).replace(", ", ",<br>", 1), xaxis_title="draft nodes (tree size, root not counted)",
                       yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
