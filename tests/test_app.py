@@ -354,15 +354,15 @@ def test_the_default_race_adds_the_best_method_beyond_the_paper_each_from_its_ow
     race = Race(session, tiny_models, Settings.check("Name three colours.", 12, "small", 8, True, "", "exact",
                                                      trees=TREES))
     race.prepare()
-    assert race.methods == ("plain", "pld", "tr", "tr-plus")
+    assert race.methods == ("plain", "pld", "tr", "tr-context")
     starts = {m: e.matrix.rows.clone() for m, e in race.engines.items()}
-    assert all(race.engines[m].matrix is not race.engines["tr"].matrix for m in ("pld", "tr-plus"))
+    assert all(race.engines[m].matrix is not race.engines["tr"].matrix for m in ("pld", "tr-context"))
     progress = list(race.progress())
-    assert progress[-1].done and list(session.race.runs) == ["plain", "pld", "tr", "tr-plus"]
+    assert progress[-1].done and list(session.race.runs) == ["plain", "pld", "tr", "tr-context"]
     plain = session.race.runs["plain"].token_ids
     assert all(run.token_ids == plain for run in session.race.runs.values())
-    assert torch.equal(starts["tr"], starts["tr-plus"]), "every matrix method starts from the same matrix"
-    assert {e.method for e in session.race.runs["tr-plus"].events} == {"tr-plus"}
+    assert torch.equal(starts["tr"], starts["tr-context"]), "every matrix method starts from the same matrix"
+    assert {e.method for e in session.race.runs["tr-context"].events} == {"tr-context"}
 
 
 def test_live_runs_the_method_picked_and_a_bad_method_is_refused(tiny_models):

@@ -138,7 +138,7 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.screenshot(path=shots / "05_race_replay.png", full_page=True)
     page.wait_for_selector("#race-status :text('Done')", timeout=120_000)
     rows = page.locator("#race-table tr[data-method]")
-    raced = ["plain", "pld", "tr", "tr-plus"]  # the default: plain, the baseline, the paper, the best beyond it
+    raced = ["plain", "pld", "tr", "tr-context"]  # the default: plain, the baseline, the paper, the best beyond it
     assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == raced
     for method, identical in zip(raced, rows.evaluate_all("els => els.map(e => e.dataset.identical)")):
         assert identical == "true" or page.locator(f"#race-table .tr-diff[data-method={method}]").count() == 1

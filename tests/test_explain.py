@@ -271,7 +271,7 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
                 page.click("#explain-next")
         assert page.locator("#explain-next").is_disabled()
         page.click("#explain-prev")
-        page.wait_for_selector('#explain-indicator [data-step="7"]', timeout=15_000)
+        page.wait_for_selector(f'#explain-indicator [data-step="{len(STEPS) - 1}"]', timeout=15_000)
 
         # the explorer: type a token's id and read its row
         token = EVENT.tree_tokens[0]

@@ -49,7 +49,7 @@ class Settings:
 
 # The race's methods beside plain decoding, by default: the baseline users know, the paper's method, and the best
 # extension beyond the paper as this project's benchmark measured it (README)
-DEFAULT_RACE = ("pld", "tr", "tr-plus")
+DEFAULT_RACE = ("pld", "tr", "tr-context")
 RACE_CHOICES = tuple(n for n in NAMES if n != "plain")
 
 
@@ -64,15 +64,18 @@ def check_race_methods(value) -> tuple[str, ...]:
     return tuple(n for n in RACE_CHOICES if n in value)
 
 
+# The methods beyond the paper missed this project's targets on its benchmark (README): experiments, said so
+BEYOND = " (beyond the paper, an experiment)"
+
+
 def method_choices(names=NAMES) -> list[tuple[str, str]]:
     """``[(label, name), ...]`` for the method pickers; the methods beyond the paper say so."""
-    return [(METHODS[n].label + (" (beyond the paper)" if METHODS[n].beyond_paper else ""), n) for n in names]
+    return [(METHODS[n].label + (BEYOND if METHODS[n].beyond_paper else ""), n) for n in names]
 
 
 def methods_help(names=NAMES) -> str:
     """One line per method, in Markdown: its name, whether it goes beyond the paper, and what it adds."""
-    return "\n".join(f"- **{METHODS[n].label}**{' (beyond the paper)' if METHODS[n].beyond_paper else ''}: "
-                     f"{METHODS[n].about}" for n in names)
+    return "\n".join(f"- **{label}**: {METHODS[n].about}" for label, n in method_choices(names))
 
 
 def tree_names(dirs: tuple[Path, ...] = (TREES_DIR,)) -> list[str]:
