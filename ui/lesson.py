@@ -126,6 +126,17 @@ def facts(lesson: Lesson) -> dict:
 
 
 BEYOND = tuple(n for n, m in METHODS.items() if m.beyond_paper)
+BENCH_ONLY = {"tr-paper": "Token Recycling, the paper's 81-node tree", "tr-cold": "Token Recycling, cold start"}
+
+
+def shown_methods(run: dict) -> list[str]:
+    """The methods a run compares, plain and fixed sizes (``tr-N``) left out."""
+    return [n for n in run["methods"] if n != "plain" and not n[3:].isdigit()]
+
+
+def _beyond_figure(lesson: Lesson) -> go.Figure:
+    runs = [{**r, "methods": {n: r["methods"][n] for n in shown_methods(r)}} for r in lesson.benchmark["runs"]]
+    return methods_figure(runs) if runs else go.Figure().update_layout(title="no benchmark summary shipped")
 
 
 def _interval(m: dict) -> str:
@@ -145,16 +156,15 @@ def beyond_facts(benchmark: dict) -> dict:
                f"Spec-Bench, {first.get('questions', '?')} questions, {first.get('max_new_tokens', '?')} new tokens "
                f"each, every method on the same questions, alternated, in one run per mode")
     modes = [r.get("mode", "?") for r in runs]
-    head = "| method | " + " | ".join(f"{m}: speedup [95%] | tokens/pass | nodes/step" for m in modes) + " |"
-    rows = [head, "|---" * (1 + 3 * len(runs)) + "|"]
-    names = [n for n in runs[0]["methods"] if n != "plain" and not n[3:].isdigit()]
-    for name in names:
+    rows = ["| method | " + " | ".join(f"{m} mode: speedup [95%], tokens per pass, draft nodes per step"
+                                     for m in modes) + " |", "|---" * (1 + len(runs)) + "|"]
+    for name in shown_methods(runs[0]):
         cells = []
         for run in runs:
             m = run["methods"].get(name)
-            cells += ([_interval(m), f"{m['mean_accepted_tokens']:.2f}", f"{m.get('mean_draft_nodes', 0):.1f}"]
-                      if m else ["", "", ""])
-        label_ = METHODS[name].label if name in METHODS else name
+            cells.append(f"{_interval(m)}, {m['mean_accepted_tokens']:.2f}, {m.get('mean_draft_nodes', 0):.1f}"
+                         if m else "")
+        label_ = METHODS[name].label if name in METHODS else BENCH_ONLY.get(name, name)
         rows.append(f"| {label_} (`{name}`) | " + " | ".join(cells) + " |")
     verdicts = []
     for run in runs:
@@ -365,8 +375,7 @@ verification, so the same text as plain decoding):
 {beyond_verdict} A draft node only pays where it is accepted often enough to cover what it adds to the pass; on
 this kind of machine that is a node or two, so the extensions' gains stay small. Pick them in the Live tab and in
 the race to see their trees: nodes copied from the context are diamonds on a green edge, best-first nodes
-squares.""", lambda lesson: methods_figure(lesson.benchmark["runs"]) if lesson.benchmark["runs"] else
-         go.Figure().update_layout(title="no benchmark summary shipped")),
+squares.""", _beyond_figure),
 ]
 
 

@@ -208,7 +208,7 @@ def methods_figure(runs: Sequence[dict]) -> go.Figure:
     bar per method, its median speedup over plain decoding with the 95% interval, the bar's text giving the tokens
     per forward pass. Plain decoding is the dashed line at 1."""
     fig = make_subplots(rows=1, cols=len(runs), shared_yaxes=True, horizontal_spacing=0.04,
-                        subplot_titles=[f"{r.get('mode', '?')} mode ({r.get('mode_note', '')})" for r in runs])
+                        subplot_titles=[f"{r.get('mode', '?')} mode" for r in runs])
     for col, run in enumerate(runs, start=1):
         names = [n for n in run["methods"] if n != "plain"]
         for index, name in enumerate(names):
