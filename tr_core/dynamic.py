@@ -206,11 +206,7 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
                probs: torch.Tensor | None) -> list[RowUpdate]:
         """Overwrite the rows of the tree's tokens with ``top`` (n, k) and ``probs`` (n, k); returns each distinct
         token's row change, in order of first occurrence. With a budget, tell it the accepted nodes' places."""
-        distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
-        index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
-        old = self.matrix.rows[index].tolist()
-        self.matrix.update(tokens, top, priority=path, probs=probs)
-        new = self.matrix.rows[index].tolist()
+        rows = super().update(tokens, path, top, probs)  # ids and, from probs, their probabilities
         # the loop verifies the root alone near the context's end: that step says nothing of this tree
         self._timed = tokens.numel() == self.tree.size
         if self.budget is not None and self._timed:
@@ -220,7 +216,7 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
             budget.current, budget.exploring = budget.best, False  # its size's time, scaled (observe)
             if self.tree.size == budget.sizes[budget.best]:  # the budget's own size ran (a best-first prefix): places
                 budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
-        return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
+        return rows
 
     def observe(self, forward_ms: float) -> None:
         if self.budget is not None and self._timed:

@@ -248,14 +248,17 @@ class Engine:
         from .dynamic import DynamicRecyclingDrafter, PathCalibration
         # what the method learns besides step times, kept across requests like the budget: how often context
         # branches were accepted (by match length), how many drafts a unit of path probability brings
-        branch = self.budgets.setdefault(method + ":branch", BranchAcceptance())
-        calibration = self.budgets.setdefault(method + ":calibration", PathCalibration())
+        def kept(what: str, make):
+            return self.budgets.setdefault(f"{method}:{what}", make())
+
         if method == "tr-context":
-            return ContextRecyclingDrafter(self.matrix, nested, budget, seed, branch=branch)
+            return ContextRecyclingDrafter(self.matrix, nested, budget, seed, branch=kept("branch", BranchAcceptance))
         self.matrix.with_probs()  # a best-first tree needs each candidate's probability (unknown ones: a prior)
+        calibration = kept("calibration", PathCalibration)
         if method == "tr-dynamic":
             return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed, calibration=calibration)
-        return PlusRecyclingDrafter(self.matrix, nested, budget, seed, calibration=calibration, branch=branch)
+        return PlusRecyclingDrafter(self.matrix, nested, budget, seed, calibration=calibration,
+                                    branch=kept("branch", BranchAcceptance))
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)
