@@ -253,12 +253,14 @@ def test_pairs_of_methods_compare_per_question_like_each_against_plain():
 def test_a_fitted_tree_shows_its_prediction_beside_what_was_measured():
     tr = {"tree_nodes": 5, "predicted_mean_accepted_tokens": 1.8, "mean_accepted_tokens": 1.6,
           "predicted_speedup": 1.5, "steps_speedup": 1.25, "tokens_per_s": 20.0, "speedup_median": 1.2,
-          "speedup_ci95": [1.1, 1.3]}
-    tr.update(predicted_vs_measured(tr, {"tokens_per_s": 16.0}))
+          "speedup_ci95": [1.1, 1.3], "forward_ms_per_step": 25.0, "overhead_ms_per_step": 1.0}
+    plain = {"tokens_per_s": 16.0, "forward_ms_per_step": 19.0, "overhead_ms_per_step": 1.0}
+    tr.update(predicted_vs_measured(tr, plain))
     # per step: 1.5x predicted against 1.25x measured; end to end: 1.5 x 16 tokens/s = 24 against 20 measured
     assert tr["predicted_tokens_per_s"] == 24.0 and tr["predicted_tokens_per_s_error_pct"] == 20.0
     assert tr["predicted_steps_error_pct"] == 20.0
-    table = prediction_table({"methods": {"plain": {"tokens_per_s": 16.0}, "tr": tr}})
-    assert table.splitlines()[2] == ("| tr | 5 | 1.80 | 1.60 | 1.50x | 1.25x | +20% | 24.00 | 20.00 | +20% | "
-                                     "1.20x [1.10, 1.30] |")
+    table = prediction_table({"methods": {"plain": plain, "tr": tr}})
+    # step cost: predicted 1.8 / 1.5 = 1.2x a plain step; measured (25 + 1) / (19 + 1) = 1.3x
+    assert table.splitlines()[2] == ("| tr | 5 | 1.80 | 1.60 | 1.20x | 1.30x | 1.50x | 1.25x | +20% | 24.00 | 20.00 | "
+                                     "+20% | 1.20x [1.10, 1.30] |")
     assert len(table.splitlines()) == 3  # plain has no fitted tree

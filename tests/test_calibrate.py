@@ -60,7 +60,7 @@ def test_a_short_context_model_is_calibrated_on_the_longest_cache_that_fits(monk
     curve = measure_forward_ms(model, sizes=(1, 4), prefix=limit + 500, repeats=1)
     assert sorted(curve) == [1, 4]
     files = list((tmp_path / "token-recycling" / "calibration").glob("*.json"))
-    assert len(files) == 1 and files[0].name.endswith(f"-p{limit - 4 - 1}-median.json")
+    assert len(files) == 1 and files[0].name.endswith(f"-p{limit - 4 - 1}-paired.json")
 
 
 def test_context_weights_split_each_context_between_the_grid_points_around_it():
@@ -94,3 +94,16 @@ def test_the_fit_context_must_be_token_counts():
     for bad in (0, (), (100, 0), [256], "256"):
         with pytest.raises(ValueError, match="fit_context"):
             EngineConfig(fit_context=bad)
+
+
+def test_one_slow_block_of_one_token_steps_does_not_lift_the_larger_sizes():
+    from tr_core.calibrate import paired_curve
+
+    # rounds 1-4: t(4) = 1.2 t(1); round 0's one-token block ran in a slow spell (30 ms against 20)
+    times = {1: [[30.0, 30.0]] + [[20.0, 20.0]] * 4, 4: [[24.0, 24.0]] * 5, 8: [[30.0, 30.0]] * 5}
+    curve = paired_curve(times)
+    assert curve[1] == 20.0 and curve[4] == pytest.approx(24.0) and curve[8] == pytest.approx(30.0)
+    # the old estimator (each size's median, then a running maximum) gave 20 / 24 / 30 here too, but with three slow
+    # rounds of five it would have put t(1) at 30 and t(4) at 30; the paired ratios stay at 1.2 and 1.5
+    slow = {1: [[30.0]] * 3 + [[20.0]] * 2, 4: [[36.0]] * 3 + [[24.0]] * 2}
+    assert paired_curve(slow)[4] / paired_curve(slow)[1] == pytest.approx(1.2)

@@ -320,14 +320,38 @@ def pairwise_table(pairs: list[dict]) -> str:
 
 
 def prediction_table(results: dict) -> str:
-    rows = ["| method | nodes | predicted MAT | measured MAT | predicted speedup (steps) | measured speedup (steps) | "
-            "error | predicted tokens/s | measured tokens/s | error | measured speedup (median) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    rows += [f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | {m['mean_accepted_tokens']:.2f} "
-             f"| {m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | {m['predicted_steps_error_pct']:+.0f}% | "
-             f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | {m['predicted_tokens_per_s_error_pct']:+.0f}% "
-             f"| {interval_text(m)} |" for n, m in results["methods"].items() if "predicted_speedup" in m]
+    """The fitted trees' predictions beside the measurements, with the two halves of a prediction apart: the tokens a
+    step adds (MAT) and what a step costs over a plain step (predicted: t(N) / t(1) of the calibration; measured: the
+    steps' forward + overhead over plain's)."""
+    plain = results["methods"]["plain"]
+    plain_step = plain["forward_ms_per_step"] + plain["overhead_ms_per_step"]
+    rows = ["| method | nodes | predicted MAT | measured MAT | predicted step cost | measured step cost | "
+            "predicted speedup (steps) | measured speedup (steps) | error | predicted tokens/s | measured tokens/s | "
+            "error | measured speedup (median) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, m in results["methods"].items():
+        if "predicted_speedup" not in m:
+            continue
+        cost = m["predicted_mean_accepted_tokens"] / m["predicted_speedup"]
+        measured_cost = (m["forward_ms_per_step"] + m["overhead_ms_per_step"]) / plain_step
+        rows.append(f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | "
+                    f"{m['mean_accepted_tokens']:.2f} | {cost:.2f}x | {measured_cost:.2f}x | "
+                    f"{m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | {m['predicted_steps_error_pct']:+.0f}% | "
+                    f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | "
+                    f"{m['predicted_tokens_per_s_error_pct']:+.0f}% | {interval_text(m)} |")
     return "\n".join(rows)
+
+
+def drift_line(before: dict, after: dict) -> str:
+    """How the calibration moved during the run: t(N) / t(1) before and after, for a few N.
+
+    >>> drift_line({1: 10.0, 4: 11.0, 8: 15.0}, {1: 12.0, 4: 14.4, 8: 18.0})
+    't(N) / t(1), measured before the run -> after it: 4: 1.10 -> 1.20, 8: 1.50 -> 1.50; t(1) 10.0 -> 12.0 ms'
+    """
+    one_b, one_a = before[min(before)], after[min(after)]
+    parts = [f"{n}: {before[n] / one_b:.2f} -> {after[n] / one_a:.2f}" for n in (2, 4, 8, 16) if n in before and n in after]
+    return (f"t(N) / t(1), measured before the run -> after it: {', '.join(parts)}; "
+            f"t(1) {one_b:.1f} -> {one_a:.1f} ms")
 
 
 def histogram(records: list[Record]) -> str:
@@ -402,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     fit_context = args.fit_context or question_contexts([len(ids) for ids in prompts], args.max_new_tokens)
     base = base.with_config(fit_context=fit_context)
     hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
+    # t(N) measured anew now, before the engines fit their trees on it: a calibration cached hours ago, on a shared
+    # machine, is no prediction for this run (it is measured again after the run, to show how far the machine moved)
+    curve = context_curve(base.model, fit_context, remeasure=True)
     runners = build_runners(base, methods, hot)
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    curve = context_curve(base.model, fit_context)
     print(f"mode {mode_dtype(args.mode, base.model)[1]}{', compiled body' if args.compile else ''}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
@@ -434,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in runners:
             r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
     bar.close()
+    curve_after = context_curve(base.model, fit_context, use_cache_file=False)
 
     plain_tps = {r.question_id: r.tokens / r.seconds for r in plain_runner.records}
     categories = list(dict.fromkeys(q.category for q in questions))
@@ -443,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
-        "t_n_ms": curve, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
+        "t_n_ms": curve, "t_n_ms_after_run": curve_after, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
@@ -533,7 +560,11 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
         lines += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
                    "The prediction is per step: it is set against the steps' own speedup, and, times plain's measured "
                    "tokens/s, against the measured tokens/s, which also carry each question's prefill. Error: "
-                   "predicted / measured - 1.", "", prediction_table(results)]
+                   "predicted / measured - 1. Step cost: a step's time over a plain step's.", "",
+                   prediction_table(results)]
+        if results["config"].get("t_n_ms_after_run"):
+            lines += ["", drift_line({int(k): v for k, v in results["config"]["t_n_ms"].items()},
+                                     {int(k): v for k, v in results["config"]["t_n_ms_after_run"].items()})]
     lines += ["", "## accepted tokens per step (share of steps)"]
     lines += [f"- {r.name}: {histogram(r.records)}" for r in runners]
     diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]

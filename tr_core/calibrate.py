@@ -59,16 +59,17 @@ CONTEXT_GRID = (128, 256, 512, 1024, 2048)
 
 @torch.inference_mode()
 def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
-                       prefix: int = DEFAULT_FIT_CONTEXT, repeats: int = 7,
-                       use_cache_file: bool = True) -> dict[int, float]:
-    """Time (ms, median of ``repeats``, made non-decreasing in N) of a step's model work for N tree tokens (the first
-    N nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, the argmax, and
-    for N > 1 the top-k of every node. The sizes are timed in turn, ``repeats`` rounds."""
+                       prefix: int = DEFAULT_FIT_CONTEXT, repeats: int = 5, block: int = 2,
+                       use_cache_file: bool = True, remeasure: bool = False) -> dict[int, float]:
+    """Time (ms, made non-decreasing in N; ``paired_curve``) of a step's model work for N tree tokens (the first N
+    nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, and the argmax (N =
+    1) or every node's top-k (N > 1). ``repeats`` rounds over the sizes, ``block`` counted steps of a size in a row.
+    The result is cached per machine (``machine_key``); ``remeasure`` measures anew and rewrites the cache."""
     max_pos = _max_positions(model)
     if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
         prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
-    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-median.json"
-    if use_cache_file and path.is_file():
+    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired.json"
+    if use_cache_file and path.is_file() and not remeasure:
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
         if all(n in cached for n in sizes):
             return {n: cached[n] for n in sizes}
@@ -92,33 +93,53 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
             pos = (prefix + tree.depth.to(device))[None]
             mask = _tree_mask(tree.to(device), prefix, model.dtype, device)
         steps.append((n, ids, pos, mask))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    # round-robin over the sizes, so that a slow spell of the machine hits every size alike; round 0 warms up
+    times = {n: [[] for _ in range(repeats)] for n in sizes}  # per size, per round: the block's timings
+    # Rounds over the sizes, so that a slow spell of the machine hits every size alike; within a round each size runs
+    # a block of steps in a row, as decoding does (a step after a much larger one runs on evicted caches, which
+    # decoding never sees); round 0 warms up, and a block's first step (the switch) is not counted.
     for round_ in range(repeats + 1):
         for n, ids, pos, mask in steps:
-            t0 = time.perf_counter()
-            hidden = base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                          use_cache=True).last_hidden_state[0]
-            logits = head(hidden)
-            logits.argmax(dim=-1)
-            if n > 1:  # a tree step also takes every node's top-k for the matrix update
-                torch.topk(logits, 8, dim=-1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if round_:
-                times[n].append((time.perf_counter() - t0) * 1e3)
-            cache.crop(-n)
-    # the median, not the fastest run: decoding pays the typical cost of a step. With the fastest of 5 runs, the
-    # embedded model's t(4)/t(1) came out at 1.19 (exact mode) while the benchmark's steps averaged 1.11, and the
-    # fit chose a 2-node tree that measured 1.19x over plain against 1.32x for 4 nodes (30 Spec-Bench questions)
-    result = {n: statistics.median(ts) for n, ts in times.items()}
-    # more tokens never cost less: a dip is measurement noise, so carry the running maximum forward
-    running = 0.0
-    for n in sorted(result):
-        running = result[n] = max(result[n], running)
+            for b in range(block + 1):
+                t0 = time.perf_counter()
+                hidden = base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                              use_cache=True).last_hidden_state[0]
+                logits = head(hidden)
+                if n > 1:  # a tree step also takes every node's top-k for the matrix update
+                    torch.topk(logits, 8, dim=-1)
+                else:
+                    logits.argmax(dim=-1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_ and b:
+                    times[n][round_ - 1].append((time.perf_counter() - t0) * 1e3)
+                cache.crop(-n)
+    result = paired_curve(times)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def paired_curve(times: dict[int, list[list[float]]]) -> dict[int, float]:
+    """t(N) from timings ``times[N][round]`` (ms, a block of steps per round): the smallest size's median over all
+    rounds, times the median over rounds of each round's t(N) / t(smallest) ratio, made non-decreasing in N.
+
+    A ratio is taken within a round, between blocks timed seconds apart, so a slow spell of the machine that spans
+    rounds cancels out of it; a single slow block of the smallest size no longer lifts every size above it.
+
+    >>> paired_curve({1: [[10.0], [20.0], [10.0]], 4: [[12.0], [24.0], [12.0]], 8: [[11.0], [22.0], [11.0]]})
+    {1: 10.0, 4: 12.0, 8: 12.0}
+    """
+    sizes = sorted(times)
+    first = times[sizes[0]]
+    base = statistics.median(t for block in first for t in block)
+    result, running = {}, 1.0
+    for n in sizes:
+        rounds = [statistics.median(b) / statistics.median(a) for a, b in zip(first, times[n]) if a and b]
+        # the median, not the fastest run: decoding pays the typical cost of a step. With the fastest of 5 runs, the
+        # embedded model's t(4)/t(1) came out at 1.19 (exact mode) while the benchmark's steps averaged 1.11
+        running = max(running, statistics.median(rounds))  # more tokens never cost less: a dip is noise
+        result[n] = base * running
     return result
 
 
