@@ -1,6 +1,8 @@
-"""The "How it works" tab: each step's figure holds what the shipped trace holds, the texts quote the traces' own
-numbers, the matrix explorer follows a token's row, nothing imports torch, and in headless Chromium the tab works
-with no model loaded (every step shows its figure; screenshots go to $APP_SHOTS_DIR)."""
+"""The "How it works" tab: each page's figure holds what the shipped trace holds, the texts quote the traces' own
+numbers (the counts of the featured decoding step are the ones its figures show), the featured step is an ordinary
+one in the middle of the answer, the page buttons open their pages, the matrix explorer follows a token's row,
+nothing imports torch, and in headless Chromium the tab works with no model loaded at desktop and phone width (every
+page shows its figure; screenshots go to $APP_SHOTS_DIR)."""
 
 from __future__ import annotations
 
@@ -17,24 +19,26 @@ import pytest
 from conftest import ROOT
 from tr_core.spec_bench import load_questions
 from ui import lesson
-from ui.explain import clamp, explorer_choices, explorer_html, indicator_html, resolve_token, row_history
-from ui.lesson import STEPS
+from ui.explain import (build_tab, clamp, explorer_choices, explorer_html, indicator_html, page_updates,
+                        resolve_token, row_history)
+from ui.lesson import PAGES
 from visualize import ancestor_mask, label, shown_rows
 from visualize.lesson_fig import row_before
 from visualize.tree_fig import LABEL_W, MARKER_GAP
-from visualize.tree_layout import tree_layout
+from visualize.tree_layout import node_roles, tree_layout
 
 LESSON = lesson.load_lesson()
 EVENT = LESSON.event
-TITLES = [s.title for s in STEPS]
+TITLES = [s.title for s in PAGES]
+SPECIAL_TEXT = re.compile(r"<\|[^|]*\|>")  # <|im_end|>, <|im_start|>, <|endoftext|>
 
 
 def figure(title: str):
-    return lesson.step_figure(LESSON, TITLES.index(title))
+    return lesson.page_figure(LESSON, TITLES.index(title))
 
 
 def text(title: str) -> str:
-    return lesson.step_text(LESSON, TITLES.index(title))
+    return lesson.page_text(LESSON, TITLES.index(title))
 
 
 # --- the shipped traces ---------------------------------------------------------------------------------------------
@@ -71,14 +75,88 @@ def test_every_draft_came_from_its_parents_row_as_the_step_found_it():
             assert e.tree_tokens[i] == parent_row[e.tree_ranks[i]]
 
 
-# --- each step's figure holds the trace -----------------------------------------------------------------------------
+# --- the decoding step pages 2-6 look at ---------------------------------------------------------------------------
+
+def test_the_walkthrough_looks_at_an_ordinary_step_in_the_middle_of_the_answer():
+    """On the shipped trace, so that a re-recording cannot regress it: not in the first or last fifth of the run,
+    two or three accepted drafts and some rejected ones, and no special (chat-template) token in what it drafted,
+    accepted or added."""
+    events, i = LESSON.hot.events, LESSON.featured
+    assert 0.2 * len(events) <= i < 0.8 * len(events)
+    assert EVENT is events[i] and EVENT.step == i
+    assert 2 <= EVENT.accepted_draft_tokens <= 3 and len(EVENT.accepted_path) < len(EVENT.tree_tokens)
+    assert len(EVENT.new_tokens) == EVENT.accepted_draft_tokens + 1  # the answer did not end inside it
+    texts = [*EVENT.tree_text, *(LESSON.hot.text(t) for t in [EVENT.bonus_token, *EVENT.new_tokens])]
+    assert not [t for t in texts if SPECIAL_TEXT.search(t)]
+    special = set(LESSON.hot.meta["special_ids"])
+    assert special and not special & {*EVENT.tree_tokens, EVENT.bonus_token, *EVENT.new_tokens}
+    assert all(SPECIAL_TEXT.fullmatch(LESSON.hot.text(t)) for t in special)
+
+
+def test_the_featured_step_is_chosen_by_its_rule_not_by_hand():
+    chosen = lesson.featured_step(LESSON.hot.events, set(LESSON.hot.meta["special_ids"]))
+    assert chosen == LESSON.featured
+    # the run's last decoding step (the answer's end: <|im_end|> drafted, the path cut at the end) never fits
+    special = set(LESSON.hot.meta["special_ids"])
+    assert not lesson.fits_walkthrough(LESSON.hot.events, len(LESSON.hot.events) - 1, special)
+
+
+def test_the_verification_text_counts_what_its_figure_shows():
+    """Every count in the verification page's text, read back from the text, against the event its figure draws."""
+    body = text("Verification: keep what the model agrees with, plus one")
+    title = str(figure("Verification: keep what the model agrees with, plus one").layout.title.text)
+    n = EVENT.accepted_draft_tokens
+    shown = int(re.search(r"(\d+) (?:of \d+ )?draft tokens? accepted", title).group(1))
+    said = re.search(r"decoding step (\d+) the model accepted (.*?) \((\d+) guess(?:es)?, blue\) and added the "
+                     r"bonus token (`.*?`)\s+\(orange star\): \*\*(\d+) tokens? from one forward pass\*\*", body, re.S)
+    assert said, body
+    assert int(said.group(1)) == EVENT.step and f"step {EVENT.step} " in title
+    assert int(said.group(3)) == shown == n == len(said.group(2).split())
+    assert int(said.group(5)) == n + 1 == len(EVENT.new_tokens)
+    roles = node_roles(EVENT)
+    crosses = re.search(r"held (\d+) guess(?:es)? for the next token there", body)
+    assert int(crosses.group(1)) == roles.count("broke") > 0
+    assert int(re.search(r"other (\d+) rejected guess", body).group(1)) == roles.count("rejected")
+    assert roles.count("broke") + roles.count("rejected") == len(EVENT.tree_tokens) - 1 - n
+
+
+def test_the_pages_about_the_step_name_it_and_count_it_as_their_figures_do():
+    step = f"decoding step {EVENT.step}"
+    for title in TITLES[1:6]:
+        assert f"step {EVENT.step}" in str(figure(title).layout.title.text), title
+    assert step in text(TITLES[1]) and step in text(TITLES[4])
+    assert f"{len(EVENT.tree_tokens)} nodes" in text(TITLES[2])
+    assert f"{len(EVENT.tree_tokens)} nodes in" in str(figure(TITLES[2]).layout.title.text)
+    drafted = sum(1 for code in figure(TITLES[1]).data[0].z[0] if code)
+    assert f"Its first {drafted} candidates" in text(TITLES[1])
+    rewrote = re.search(r"rewrote (\d+) rows?\b.*?; (\d+) of them gained .*?and (\d+) belong", text(TITLES[5]), re.S)
+    on_path = {EVENT.tree_tokens[i] for i in EVENT.accepted_path}
+    rows = EVENT.rows_updated
+    assert [int(g) for g in rewrote.groups()] == [len(rows), sum(bool(set(r.new) - set(r.old)) for r in rows),
+                                                 sum(r.token not in on_path for r in rows)]
+    assert len(figure(TITLES[5]).data[0].customdata) == len(EVENT.rows_updated)
+
+
+def test_the_words_one_name_for_the_key_number_pages_and_decoding_steps():
+    bodies = [lesson.page_text(LESSON, i) for i in range(len(PAGES))]
+    for body in bodies:
+        assert "tokens per pass" not in body and not re.search(r"\bsteps? \d", re.sub(r"(?i)decoding steps?", "", body))
+        assert not re.search(r"(?<![\d.,])1 (tokens|guesses|rows|candidates|passes)\b", body)  # "1 tokens"
+    assert lesson.KEY == "tokens per forward pass (bonus token included)"
+    assert lesson.KEY in bodies[0] and bodies[6].count(lesson.KEY) == 2
+    for i in range(len(PAGES)):
+        assert "per pass" not in str(lesson.page_figure(LESSON, i).to_plotly_json())
+    assert lesson.counted(1, "token") == "1 token" and lesson.counted(3, "guess", "guesses") == "3 guesses"
+
+
+# --- each page's figure holds the trace -----------------------------------------------------------------------------
 
 def test_the_run_figure_counts_tokens_against_passes():
     fig = figure("Why decoding is slow, and how guessing helps")
     line = fig.data[1]
     assert list(line.x) == [0] + [e.total_steps for e in LESSON.hot.events]
     assert list(line.y) == [0] + [e.total_tokens for e in LESSON.hot.events]
-    assert f"{LESSON.hot.meta['tokens']} tokens in {LESSON.hot.meta['steps']} passes" in text(TITLES[0])
+    assert f"{LESSON.hot.meta['tokens']} tokens in {LESSON.hot.meta['steps']} forward passes" in text(TITLES[0])
 
 
 def test_the_row_figure_is_the_last_tokens_row_before_the_step():
@@ -125,9 +203,7 @@ def test_the_verification_figure_shows_the_accepted_path_and_the_bonus():
     fig = figure("Verification: keep what the model agrees with, plus one")
     points = sum(len(t.x) for t in fig.data if t.mode == "markers+text")
     assert points == len(EVENT.tree_tokens) + 1  # every node, and the bonus token
-    assert EVENT.accepted_draft_tokens >= 2
-    body = text(TITLES[4])
-    assert f"{len(EVENT.new_tokens)} tokens from one pass" in body
+    assert f"{EVENT.accepted_draft_tokens + 1} tokens from one forward pass" in text(TITLES[4])
 
 
 def test_the_recycling_figure_holds_every_row_the_step_rewrote():
@@ -147,7 +223,7 @@ def test_hot_and_cold_are_measured_on_the_two_traces():
     assert list(cold.y)[-1] == LESSON.cold.events[-1].total_tokens and list(cold.x)[-1] == len(LESSON.cold.events)
     body = text("Hot start and cold start")
     for meta in (LESSON.hot.meta, LESSON.cold.meta):
-        assert f"{meta['tokens'] / meta['steps']:.2f} tokens per pass" in body
+        assert f"{meta['tokens'] / meta['steps']:.2f} tokens per forward pass (bonus token included)" in body
 
 
 def test_the_cost_step_quotes_the_matrix_size_and_the_size_table():
@@ -159,18 +235,37 @@ def test_the_cost_step_quotes_the_matrix_size_and_the_size_table():
     assert "1,572,864 bytes" in text("What it costs") and "1.5 MiB" in text("What it costs")
 
 
-def test_every_step_has_a_title_a_filled_text_and_a_figure():
-    assert len(STEPS) == 9
-    for i, step in enumerate(STEPS):
-        body = lesson.step_text(LESSON, i)
-        assert step.title and len(body) > 200 and not re.search(r"\{\w+[^}]*\}", body)
-        assert lesson.step_figure(LESSON, i).data
+def test_every_page_has_a_title_a_filled_text_and_a_figure():
+    assert len(PAGES) == 9
+    for i, page in enumerate(PAGES):
+        body = lesson.page_text(LESSON, i)
+        assert page.title and len(body) > 200 and not re.search(r"\{\w+[^}]*\}", body)
+        assert lesson.page_figure(LESSON, i).data
 
 
-def test_navigation_stays_within_the_steps():
-    assert clamp(-1) == 0 and clamp(3) == 3 and clamp(99) == len(STEPS) - 1
-    assert 'data-step="1"' in indicator_html(0) and "Step 8 of 9" in indicator_html(7)
-    assert indicator_html(2).count("tr-pill-on") == 1
+def test_navigation_stays_within_the_pages():
+    assert clamp(-1) == 0 and clamp(3) == 3 and clamp(99) == len(PAGES) - 1
+    assert 'data-page="1"' in indicator_html(0) and "Page 8 of 9" in indicator_html(7)
+    assert PAGES[7].title in indicator_html(7)
+
+
+def test_a_page_button_opens_its_page():
+    """Gradio-level: the click handler the tab registered on button 5 shows page 5, whichever page was shown."""
+    import gradio as gr
+
+    with gr.Blocks() as demo:
+        with gr.Tabs():
+            tab = build_tab(LESSON)
+    outputs = [tab.index, tab.indicator, tab.text, tab.plot, tab.back, tab.forward, *tab.pages]
+    for n in (4, 0, 8):
+        [handler] = [f for f in demo.fns.values() if (tab.pages[n]._id, "click") in f.targets]
+        assert [c._id for c in handler.inputs] == [] and [c._id for c in handler.outputs] == [c._id for c in outputs]
+        index, heading, body, plot, back, forward, *buttons = handler.fn()
+        assert index == n and f'data-page="{n + 1}"' in heading and PAGES[n].title in heading
+        assert body == lesson.page_text(LESSON, n) and plot is lesson.page_figure(LESSON, n)
+        assert (back.interactive, forward.interactive) == (n > 0, n < len(PAGES) - 1)
+        assert [b.variant for b in buttons] == ["primary" if m == n else "secondary" for m in range(len(PAGES))]
+    assert page_updates(LESSON, 3)[:3] == (3, indicator_html(3), lesson.page_text(LESSON, 3))
 
 
 # --- the matrix explorer --------------------------------------------------------------------------------------------
@@ -197,7 +292,7 @@ def test_the_explorer_follows_a_tokens_row_through_the_run():
 
 def test_the_tab_module_never_imports_torch():
     code = ("import sys, ui.explain as x, ui.lesson as s; l = s.load_lesson(); "
-            "[(s.step_figure(l, i), s.step_text(l, i)) for i in range(len(s.STEPS))]; "
+            "[(s.page_figure(l, i), s.page_text(l, i)) for i in range(len(s.PAGES))]; "
             "x.explorer_html(l, l.event.tree_tokens[0]); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
@@ -234,13 +329,30 @@ def _title(page) -> str:
     return page.locator("#explain-plot .gtitle").first.text_content() or ""
 
 
+def _open_tab(page) -> None:
+    """Click "How it works"; at phone width the tab may sit in the tab bar's overflow menu."""
+    page.get_by_role("tab").first.wait_for(timeout=30_000)
+    tab = page.get_by_role("tab", name="How it works")
+    if not tab.is_visible():
+        page.get_by_label("More tabs").click()
+    tab.click()
+    page.wait_for_selector("#explain-plot .js-plotly-plot .main-svg", timeout=30_000)
+
+
+def _wait_for_page(page, n: int, title: str) -> None:
+    page.wait_for_selector(f'#explain-indicator [data-page="{n}"]', timeout=15_000)
+    page.wait_for_function("t => (document.querySelector('#explain-plot .gtitle')?.textContent || '')"
+                           ".startsWith(t)", arg=title, timeout=15_000)
+
+
 @pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")
-def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path):
+def test_the_tab_walks_through_every_page_without_a_model(no_model_app, tmp_path):
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
     url, models = no_model_app
     shots = Path(os.environ.get("APP_SHOTS_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    expected = [str(lesson.step_figure(LESSON, i).layout.title.text)[:14] for i in range(len(STEPS))]
+    expected = [str(lesson.page_figure(LESSON, i).layout.title.text)[:14].replace("&gt;", ">")
+                for i in range(len(PAGES))]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1366, "height": 900})
@@ -249,31 +361,33 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url)
-        page.get_by_role("tab", name="How it works").click()
-        page.wait_for_selector("#explain-plot .js-plotly-plot .main-svg", timeout=30_000)
+        _open_tab(page)
         assert page.locator("#explain-prev").is_disabled()
-        for i in range(len(STEPS)):
-            page.wait_for_selector(f'#explain-indicator [data-step="{i + 1}"]', timeout=15_000)
-            page.wait_for_function("t => (document.querySelector('#explain-plot .gtitle')?.textContent || '')"
-                                   ".startsWith(t)", arg=expected[i].replace("&gt;", ">"), timeout=15_000)
+        assert not page.locator("#explorer").is_visible()  # the explorer has its own, closed, accordion
+        for i in range(len(PAGES)):
+            _wait_for_page(page, i + 1, expected[i])
             assert page.locator("#explain-plot .js-plotly-plot").count() == 1
-            assert STEPS[i].title in page.locator("#explain-indicator").inner_text()
+            assert PAGES[i].title in page.locator("#explain-indicator").inner_text()
             page.locator("#explain-tab").scroll_into_view_if_needed()
             time.sleep(0.3)
             page.screenshot(path=shots / f"explain_{i + 1}.png")
-            if STEPS[i].title.startswith("Retrieval"):  # the slider grows the tree: layer 1 = root + its children
+            if PAGES[i].title.startswith("Retrieval"):  # the slider grows the tree: layer 1 = root + its children
                 page.locator("#explain-plot g.slider-container text", has_text="layer 1").first.click(force=True)
                 first_layer = 1 + sum(1 for p in EVENT.tree_parents if p == 0)
                 page.wait_for_function("n => document.querySelectorAll('#explain-plot .scatterlayer path.point')"
                                        ".length === n", arg=first_layer, timeout=10_000)
                 page.screenshot(path=shots / f"explain_{i + 1}_layer1.png")
-            if i < len(STEPS) - 1:
+            if i < len(PAGES) - 1:
                 page.click("#explain-next")
         assert page.locator("#explain-next").is_disabled()
         page.click("#explain-prev")
-        page.wait_for_selector(f'#explain-indicator [data-step="{len(STEPS) - 1}"]', timeout=15_000)
+        _wait_for_page(page, len(PAGES) - 1, expected[-2])
+        page.click("#explain-page-5")  # a numbered button opens its page
+        _wait_for_page(page, 5, expected[4])
+        assert page.locator("#explain-page-5").get_attribute("class").count("primary")
 
-        # the explorer: type a token's id and read its row
+        # the explorer: open it, type a token's id and read its row
+        page.locator("#explorer-accordion").get_by_text("Matrix explorer").first.click()
         token = EVENT.tree_tokens[0]
         box = page.locator("#explorer-token input")
         box.fill(str(token))
@@ -285,6 +399,22 @@ def test_the_tab_walks_through_every_step_without_a_model(no_model_app, tmp_path
         cold_first = explorer_choices(LESSON.cold)[0][1]
         page.wait_for_selector(f'#explorer [data-token="{cold_first}"]', timeout=15_000)
         assert "cold start run" in page.locator("#explorer").inner_text()
+
+        # phone width: the navigation wraps, its buttons keep a button's height, the heading fits the screen
+        phone = browser.new_page(viewport={"width": 390, "height": 844})
+        phone.on("pageerror", lambda e: errors.append(str(e)))
+        phone.goto(url)
+        _open_tab(phone)
+        phone.click("#explain-page-3")
+        _wait_for_page(phone, 3, expected[2])
+        for selector in ("#explain-prev", "#explain-next", "#explain-page-3"):
+            box = phone.locator(selector).bounding_box()
+            assert box["height"] < 60 and box["x"] >= 0 and box["x"] + box["width"] <= 390, (selector, box)
+        heading = phone.locator("#explain-indicator .tr-page-title").bounding_box()
+        assert heading["x"] >= 0 and heading["x"] + heading["width"] <= 390 and heading["height"] < 120, heading
+        phone.locator("#explain-indicator").scroll_into_view_if_needed()
+        time.sleep(0.3)
+        phone.screenshot(path=shots / "explain_phone_3.png")
         outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob")
                    and urlparse(u).hostname not in {"127.0.0.1", "localhost"}]
         assert not outside, f"requests left 127.0.0.1: {outside}"

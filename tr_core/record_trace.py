@@ -14,11 +14,15 @@ torch). ``<name>.meta.json`` says what a reader needs to know about it::
      "tree_nodes": 13, "top_k": 8, "vocab_size": 49152, "matrix_bytes": 1572864, "steps": 30, "tokens": 64,
      "mean_accepted_tokens": 2.13, "text": "...",
      "token_text": {"1234": " rain", ...},          # every id the trace names, decoded by the tokenizer
+     "special_ids": [1, 2],                          # those of them that are special (chat-template) tokens
      "calibration": {"machine": "...", "t_ms": {"1": 47.4, ...}},   # t(N) on the recording machine
      "tree_sizes": [{"nodes": 1, "expected_accepted": 1.0, "step_ms": 47.4, "predicted_speedup": 1.0}, ...]}
 
-``tree_sizes`` is the table the fitted ("auto") tree is chosen from: the paper tree's nodes taken likeliest first
-(shipped acceptance statistics) against the measured t(N). Re-run this command after the engine changes.
+``matrix_bytes`` counts the token ids Token Recycling reads (not the probabilities a hot-start file may keep beside
+them for the best-first tree). ``tree_sizes`` is the table the fitted ("auto") tree is chosen from: the paper tree's
+nodes taken likeliest first (shipped acceptance statistics) against the measured t(N). Re-run this command after the
+engine or the hot-start matrix changes. The tab's pages 2-6 follow a decoding step of the hot run picked by rule
+(``ui.lesson.featured_step``); ``tests/test_explain.py`` checks that the recording has one.
 The fixtures are plain traces, without a meta file.
 """
 
@@ -57,7 +61,8 @@ def record_fixtures(engine: Engine, out: Path) -> None:
     for name, result in runs.items():
         write_trace(out / f"{name}.json", list(result.events))
         print(f"{name}: {result.steps} steps, {len(result.token_ids)} tokens, "
-              f"mean accepted tokens {len(result.token_ids) / result.steps:.2f} -> {out / name}.json")
+              f"{len(result.token_ids) / result.steps:.2f} tokens per forward pass (bonus token included) -> "
+              f"{out / name}.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "tree_nodes": run.tree.size,
             "top_k": args.top_k,
             "vocab_size": engine.vocab_size,
-            "matrix_bytes": run.matrix.nbytes,
+            "matrix_bytes": run.matrix.rows.numel() * run.matrix.rows.element_size(),  # the ids Token Recycling reads
             "seed_from_prompt": run.config.seed_from_prompt,
             "mode": run.config.mode,
             "steps": result.steps,
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "text": decode(result.token_ids),
             "recorded_by": "python -m tr_core.record_trace",
             "token_text": {str(t): decode([t]) for t in token_ids_named(events)},
+            "special_ids": sorted(set(engine.tokenizer.all_special_ids) & set(token_ids_named(events))),
             "calibration": {"machine": machine_key(engine.model), "t_ms": {str(n): round(ms, 2)
                                                                             for n, ms in curve.items()}},
             "tree_sizes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in sizes],
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         write_trace(out / f"{name}.json", events)
         (out / f"{name}.meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         print(f"{name}: {result.steps} steps, {len(result.token_ids)} tokens, "
-              f"mean accepted tokens {meta['mean_accepted_tokens']:.2f} -> {out / name}.json")
+              f"{meta['mean_accepted_tokens']:.2f} tokens per forward pass (bonus token included) -> "
+              f"{out / name}.json")
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0
 

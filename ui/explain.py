@@ -1,5 +1,6 @@
-"""The "How it works" tab: the lesson's steps with Next/Previous, and a matrix explorer, all replayed from the
-recorded traces (``ui.lesson``), so the tab works before, and without, any model; this module never imports torch.
+"""The "How it works" tab: the lesson's pages with Previous/Next and numbered page buttons, and a matrix explorer
+in its own accordion, all replayed from the recorded traces (``ui.lesson``), so the tab works before, and without,
+any model; this module never imports torch. Its styles are ``EXPLAIN_CSS`` (the tab also inlines them).
 
     build_tab()                                  # inside gr.Tabs() of a gr.Blocks
     explorer_html(load_lesson(), "␣rain")        # a token's matrix row through the run
@@ -7,31 +8,31 @@ recorded traces (``ui.lesson``), so the tab works before, and without, any model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from html import escape
+from typing import Any
 
 from visualize import label, visible
 from visualize.lesson_fig import is_empty
 from visualize.trace import TokenNamer
 
-from .lesson import RUN_NAMES, STEPS, Lesson, Trace, load_lesson, step_figure, step_text
+from .lesson import PAGES, RUN_NAMES, Lesson, Trace, load_lesson, page_figure, page_text
 
 
 def clamp(index: int) -> int:
-    return min(max(int(index), 0), len(STEPS) - 1)
+    return min(max(int(index), 0), len(PAGES) - 1)
 
 
 def indicator_html(index: int) -> str:
-    """``Step 3 of 9`` and one pill per step, the current one marked."""
-    pills = "".join(f'<span class="tr-pill{" tr-pill-on" * (i == index)}" title="{escape(s.title)}">{i + 1}</span>'
-                    for i, s in enumerate(STEPS))
-    return (f'<div class="tr-steps" data-step="{index + 1}"><b>Step {index + 1} of {len(STEPS)}</b> {pills}'
-            f'<span class="tr-step-title">{escape(STEPS[index].title)}</span></div>')
+    """The page's heading: ``Page 3 of 9`` and its title."""
+    return (f'<div class="tr-page-head" data-page="{index + 1}"><span class="tr-page-count">Page {index + 1} of '
+            f'{len(PAGES)}</span><h3 class="tr-page-title">{escape(PAGES[index].title)}</h3></div>')
 
 
 # --- the matrix explorer --------------------------------------------------------------------------------------------
 
 def row_history(events: list, token: int) -> list[tuple[int, list[int], list[int]]]:
-    """``[(step, old row, new row), ...]``: every step that rewrote ``token``'s row, in order."""
+    """``[(step, old row, new row), ...]``: every decoding step that rewrote ``token``'s row, in order."""
     return [(e.step, list(r.old), list(r.new)) for e in events for r in e.rows_updated if r.token == token]
 
 
@@ -80,8 +81,8 @@ def _row_cells(row: list[int], previous: list[int] | None, text: TokenNamer) -> 
 
 
 def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
-    """The row of the picked token in the run (``hot`` or ``cold``): as the run found it, after each step that
-    rewrote it (changed cells marked), and so at the end of the run."""
+    """The row of the picked token in the run (``hot`` or ``cold``): as the run found it, after each decoding step
+    that rewrote it (changed cells marked), and so at the end of the run."""
     trace = lesson.hot if run == "hot" else lesson.cold
     token = resolve_token(trace, query)
     if token is None:
@@ -92,17 +93,18 @@ def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
     history, text = row_history(trace.events, token), trace.text
     k = len(history[0][1])
     head = "".join(f"<th>rank {r}</th>" for r in range(k))
-    rows = [f'<tr data-when="start"><th>as the run found it, before step {history[0][0]}</th>'
+    rows = [f'<tr data-when="start"><th>as the run found it, before decoding step {history[0][0]}</th>'
             f"{_row_cells(history[0][1], None, text)}</tr>"]
     previous = history[0][1]
     for n, (step, _, new) in enumerate(history, 1):
         notes = [" (no change)" * (new == previous), "<br>= the row at the end of the run" * (n == len(history))]
-        rows.append(f'<tr data-when="{step}"><th>after step {step}{"".join(notes)}</th>'
+        rows.append(f'<tr data-when="{step}"><th>after decoding step {step}{"".join(notes)}</th>'
                     f"{_row_cells(new, previous, text)}</tr>")
         previous = new
     summary = (f"<p>The row of <b>'{escape(visible(text(token)))}'</b> (id {token}) in the {RUN_NAMES[run]} run: "
-               f"rewritten in {len(history)} of {len(trace.events)} steps. Each line is the row after a step that "
-               "rewrote it (yellow: changed by that step); the last is the row at the end of the run.</p>")
+               f"rewritten in {len(history)} of its {len(trace.events)} decoding steps. Each line is the row after a "
+               "decoding step that rewrote it (yellow: changed by that step); the last is the row at the end of the "
+               "run.</p>")
     return (f'<div class="tr-explorer" data-token="{token}">{summary}<table class="tr-table tr-row-table">'
             f"<tr><th></th>{head}</tr>{''.join(rows)}</table></div>")
 
@@ -110,27 +112,59 @@ def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
 # --- the tab ---------------------------------------------------------------------------------------------------------
 
 EXPLAIN_INTRO = """\
-Token Recycling in {n} steps, each drawn from a **real run recorded with {model}** (prompt: *{prompt}*, tree
+Token Recycling in {n} pages, each drawn from a **real run recorded with {model}** (prompt: *{prompt}*, tree
 `{tree}`, k = {k}), replayed here without loading any model. The prompt and settings above belong to the other
-tabs. Use **Next** and **Previous**; hover over a figure for details. In token texts, `␣` marks a space and `↵` a
-line break."""
+tabs. Use **Previous** and **Next**, or a page's number; hover over a figure for details. In token texts, `␣` marks
+a space and `↵` a line break."""
 
 EXPLAIN_CSS = """
-.tr-steps { display: flex; align-items: center; gap: 6px; flex-wrap: wrap; font-size: 15px; }
-.tr-pill { display: inline-block; min-width: 24px; height: 24px; border-radius: 12px; text-align: center;
-           line-height: 24px; font-size: 13px; background: var(--neutral-200, #e5e7eb); color: #333; }
-.tr-pill-on { background: #0072B2; color: #fff; font-weight: 600; }
-.tr-step-title { font-weight: 600; margin-left: 10px; font-size: 17px; }
+#explain-nav { flex-wrap: wrap; gap: 6px; align-items: center; }
+#explain-nav > button { flex: 0 0 auto !important; width: auto !important; height: auto !important;
+                        align-self: center; }
+#explain-nav > button.tr-page-btn { min-width: 38px !important; padding-left: 8px; padding-right: 8px; }
+@media (max-width: 640px) {  /* a phone: Previous and Next side by side first, the page numbers wrap after them */
+  #explain-prev { order: -2; } #explain-next { order: -1; }
+}
+.tr-page-head { display: flex; align-items: baseline; gap: 12px; flex-wrap: wrap; }
+.tr-page-count { font-size: 14px; color: var(--body-text-color-subdued, #555); white-space: nowrap; }
+.tr-page-title { font-size: 18px; font-weight: 600; margin: 0; }
 #explain-text p, #explain-text li { font-size: 15px; line-height: 1.55; }
 #explain-text strong, #explain-intro strong { font-size: inherit; font-weight: 600; }
+.tr-explorer { overflow-x: auto; }
 .tr-row-table td, .tr-row-table th { font-family: var(--font-mono, monospace); font-size: 13px; white-space: pre; }
 .tr-row-table td.tr-changed { background: rgba(240, 228, 66, 0.65); }
 """
 
 
-def build_tab(lesson: Lesson | None = None) -> None:
+@dataclass
+class ExplainTab:
+    """The tab's components that its events read and write (``build_tab`` returns them, for tests)."""
+
+    index: Any  # gr.State: the page shown
+    indicator: Any
+    text: Any
+    plot: Any
+    back: Any
+    forward: Any
+    pages: list  # one button per page, numbered from 1
+    explorer: Any
+
+
+def page_updates(lesson: Lesson, index: int) -> tuple:
+    """What showing page ``index`` writes, in the order of ``ExplainTab``'s fields up to ``pages``: the index, the
+    heading, the text, the figure, Previous and Next (enabled unless at an end), and each page button (the
+    current one marked)."""
+    import gradio as gr
+
+    i = clamp(index)
+    return (i, indicator_html(i), page_text(lesson, i), page_figure(lesson, i),
+            gr.Button(interactive=i > 0), gr.Button(interactive=i < len(PAGES) - 1),
+            *(gr.Button(variant="primary" if n == i else "secondary") for n in range(len(PAGES))))
+
+
+def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
     """The "How it works" tab, with its events; call it inside ``gr.Tabs()`` of a ``gr.Blocks``. Needs no model:
-    everything is drawn from the recorded traces."""
+    everything is drawn from the recorded traces. Returns its components (``None`` when the traces are missing)."""
     import gradio as gr
 
     with gr.Tab("How it works", id="explain", elem_id="explain-tab"):
@@ -139,46 +173,49 @@ def build_tab(lesson: Lesson | None = None) -> None:
         except (OSError, KeyError, ValueError) as e:
             gr.Markdown(f"The recorded traces could not be read ({e}). Record them with "
                         "`python -m tr_core.record_trace`.")
-            return
+            return None
         meta = lesson.hot.meta
         gr.HTML(f"<style>{EXPLAIN_CSS}</style>", padding=False)
-        gr.Markdown(EXPLAIN_INTRO.format(n=len(STEPS), model=meta["model"], prompt=meta["prompt"],
+        gr.Markdown(EXPLAIN_INTRO.format(n=len(PAGES), model=meta["model"], prompt=meta["prompt"],
                                          tree=meta["tree"], k=meta["top_k"]), elem_id="explain-intro")
         index = gr.State(0)
-        with gr.Row(equal_height=True):
-            back = gr.Button("← Previous", size="sm", scale=0, min_width=120, interactive=False,
+        with gr.Row(elem_id="explain-nav"):
+            back = gr.Button("← Previous", size="sm", scale=0, min_width=110, interactive=False,
                              elem_id="explain-prev")
-            forward = gr.Button("Next →", variant="primary", size="sm", scale=0, min_width=120,
+            pages = [gr.Button(str(n + 1), size="sm", scale=0, min_width=38, variant="primary" if n == 0 else
+                               "secondary", elem_id=f"explain-page-{n + 1}", elem_classes=["tr-page-btn"])
+                     for n in range(len(PAGES))]
+            forward = gr.Button("Next →", variant="primary", size="sm", scale=0, min_width=110,
                                 elem_id="explain-next")
-            indicator = gr.HTML(indicator_html(0), scale=1, elem_id="explain-indicator")
+        indicator = gr.HTML(indicator_html(0), elem_id="explain-indicator")
         with gr.Row(equal_height=False):
-            with gr.Column(scale=2, min_width=360):
-                text = gr.Markdown(step_text(lesson, 0), elem_id="explain-text")
-            with gr.Column(scale=3):
-                plot = gr.Plot(step_figure(lesson, 0), show_label=False, elem_id="explain-plot")
-        gr.Markdown("### Matrix explorer\nPick a token, or type its text or id, to see its row of the adjacency "
-                    "matrix through the run: which steps rewrote it, what changed, and how it ended.")
-        choices = explorer_choices(lesson.hot)
-        with gr.Row():
-            token = gr.Dropdown(choices, value=choices[0][1], allow_custom_value=True, scale=3,
-                                label="Token (the run rewrote these rows; most rewritten first)",
-                                elem_id="explorer-token")
-            run = gr.Radio([(RUN_NAMES["hot"], "hot"), (RUN_NAMES["cold"], "cold")], value="hot", scale=1,
-                           label="Run", elem_id="explorer-run")
-        table = gr.HTML(explorer_html(lesson, choices[0][1]), elem_id="explorer")
-
-        def go_to(i: int):
-            i = clamp(i)
-            return (i, indicator_html(i), step_text(lesson, i), step_figure(lesson, i),
-                    gr.Button(interactive=i > 0), gr.Button(interactive=i < len(STEPS) - 1))
+            with gr.Column(scale=2, min_width=320):
+                text = gr.Markdown(page_text(lesson, 0), elem_id="explain-text")
+            with gr.Column(scale=3, min_width=320):
+                plot = gr.Plot(page_figure(lesson, 0), show_label=False, elem_id="explain-plot")
+        with gr.Accordion("Matrix explorer: one token's row of the adjacency matrix through the whole run",
+                          open=False, elem_id="explorer-accordion"):
+            gr.Markdown("Pick a token, or type its text or id, to see its row of the adjacency matrix through the "
+                        "recorded run: which decoding steps rewrote it, what changed, and how it ended.")
+            choices = explorer_choices(lesson.hot)
+            with gr.Row():
+                token = gr.Dropdown(choices, value=choices[0][1], allow_custom_value=True, scale=3,
+                                    label="Token (the run rewrote these rows; most rewritten first)",
+                                    elem_id="explorer-token")
+                run = gr.Radio([(RUN_NAMES["hot"], "hot"), (RUN_NAMES["cold"], "cold")], value="hot", scale=1,
+                               label="Run", elem_id="explorer-run")
+            table = gr.HTML(explorer_html(lesson, choices[0][1]), elem_id="explorer")
 
         def switch_run(name: str):
             picks = explorer_choices(lesson.hot if name == "hot" else lesson.cold)
             return gr.Dropdown(choices=picks, value=picks[0][1]), explorer_html(lesson, picks[0][1], name)
 
-        outputs = [index, indicator, text, plot, back, forward]
+        outputs = [index, indicator, text, plot, back, forward, *pages]
         quiet = dict(api_visibility="private", show_progress="hidden")
-        back.click(lambda i: go_to(i - 1), index, outputs, **quiet)
-        forward.click(lambda i: go_to(i + 1), index, outputs, **quiet)
+        back.click(lambda i: page_updates(lesson, i - 1), index, outputs, **quiet)
+        forward.click(lambda i: page_updates(lesson, i + 1), index, outputs, **quiet)
+        for n, button in enumerate(pages):
+            button.click(lambda n=n: page_updates(lesson, n), None, outputs, **quiet)
         token.input(lambda q, name: explorer_html(lesson, q, name), [token, run], table, **quiet)
         run.input(switch_run, run, [token, table], **quiet)
+    return ExplainTab(index, indicator, text, plot, back, forward, pages, table)

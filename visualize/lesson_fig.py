@@ -2,8 +2,8 @@
 
     row_figure(event, text)                  the adjacency-matrix row of the step's last token, before the step
     retrieval_figure(event)                  the draft tree grown layer by layer (a slider over depths)
-    passes_figure({"hot": events, ...})      tokens produced against forward passes, and per-step token counts
-    tree_size_table_figure(table)            tree size against expected tokens per pass and the cost of a pass
+    passes_figure({"hot": events, ...})      tokens produced against forward passes, and tokens per forward pass
+    tree_size_table_figure(table)            tree size against expected tokens per forward pass and its cost
 
 A row that was never written is all zeros (an empty row); ``row_before`` returns it as it was.
 """
@@ -67,7 +67,7 @@ def row_figure(event: StepEvent, text: TokenNamer) -> go.Figure:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
                                  marker=dict(symbol="square", size=14, color=colour)))
     fig.update_layout(
-        title=dict(text=f"step {event.step}: the row of the last token {quoted(text(root))} "
+        title=dict(text=f"decoding step {event.step}: the row of the last token {quoted(text(root))} "
                         f"in the adjacency matrix, read before the step", font=dict(size=14)),
         xaxis=dict(tickvals=list(range(len(row))), ticktext=[f"rank {r}" for r in range(len(row))], side="top",
                    fixedrange=True),
@@ -118,8 +118,8 @@ def retrieval_figure(event: StepEvent) -> go.Figure:
     layout["xaxis"].update(range=[-0.25, depth + LABEL_W + 0.3], tickvals=list(range(depth + 1)),
                            ticktext=["root"] + [f"layer {d}" for d in range(1, depth + 1)], title=None)
     layout["yaxis"]["range"] = [-(pos.rows - 1) - 0.8, 0.8]
-    layout["title"]["text"] = (f"step {event.step}: the draft tree, {len(event.tree_tokens)} nodes in {depth} layers "
-                               "(slide to grow it layer by layer)")
+    layout["title"]["text"] = (f"decoding step {event.step}: the draft tree, {len(event.tree_tokens)} nodes in {depth} "
+                               "layers (slide to grow it layer by layer)")
     layout["height"] = max(380, 34 * pos.rows + 200)
     layout["margin"] = dict(l=20, r=20, t=90, b=90)
     layout["sliders"] = [dict(
@@ -132,15 +132,16 @@ def retrieval_figure(event: StepEvent) -> go.Figure:
 
 def passes_figure(runs: Mapping[str, Sequence[StepEvent]], names: Mapping[str, str] | None = None) -> go.Figure:
     """Left: tokens produced against forward passes, one line per run and plain decoding's diagonal (one token
-    per pass); right: the share of each run's passes that produced 1, 2, 3... tokens. Run ``m``'s line is trace
+    per forward pass); right: the share of each run's passes that produced 1, 2, 3... tokens. Run ``m``'s line is trace
     ``1 + i`` (after the diagonal), its bars follow all lines."""
     names = names or {}
     two = len(runs) > 1
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.6, 0.4], horizontal_spacing=0.1,
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.58, 0.42], horizontal_spacing=0.1,
                         subplot_titles=("tokens produced against forward passes of the model",
-                                        "tokens produced by one forward pass"))
+                                        "tokens per forward pass<br>(bonus token included)"))
     longest = max(e.total_tokens for events in runs.values() for e in events[-1:])
-    fig.add_trace(go.Scatter(x=[0, longest], y=[0, longest], mode="lines", name="plain decoding: 1 token per pass",
+    fig.add_trace(go.Scatter(x=[0, longest], y=[0, longest], mode="lines",
+                             name="plain decoding: 1 token per forward pass",
                              line=dict(color=BLACK, dash="dot", width=2), hoverinfo="skip"), row=1, col=1)
     styles = {}
     for index, (key, events) in enumerate(runs.items()):
@@ -150,9 +151,9 @@ def passes_figure(runs: Mapping[str, Sequence[StepEvent]], names: Mapping[str, s
         name = names.get(key, key)
         fig.add_trace(go.Scatter(
             x=[0] + [e.total_steps for e in events], y=[0] + [e.total_tokens for e in events], mode="lines+markers",
-            name=f"{name}: {last.total_tokens} tokens in {last.total_steps} passes", line=dict(color=colour,
-                                                                                              dash=dash, width=3),
-            marker=dict(size=5), hovertemplate=f"{name}<br>after %{{x}} passes: %{{y}} tokens<extra></extra>"),
+            name=f"{name}: {last.total_tokens} tokens in {last.total_steps} forward passes",
+            line=dict(color=colour, dash=dash, width=3),
+            marker=dict(size=5), hovertemplate=f"{name}<br>after %{{x}} forward passes: %{{y}} tokens<extra></extra>"),
             row=1, col=1)
     for key, events in runs.items():
         counts = accepted_lengths(events)
@@ -164,7 +165,7 @@ def passes_figure(runs: Mapping[str, Sequence[StepEvent]], names: Mapping[str, s
     fig.update_annotations(font_size=13)  # the subplot titles
     fig.update_xaxes(title_text="forward passes", rangemode="tozero", gridcolor="#EEEEEE", row=1, col=1)
     fig.update_yaxes(title_text="tokens produced", rangemode="tozero", gridcolor="#EEEEEE", row=1, col=1)
-    fig.update_xaxes(title_text="tokens from one pass (accepted drafts + 1)", dtick=1, row=1, col=2)
+    fig.update_xaxes(title_text="accepted drafts + the bonus token", dtick=1, row=1, col=2)
     fig.update_yaxes(title_text="% of passes", gridcolor="#EEEEEE", row=1, col=2)
     fig.update_layout(height=440, plot_bgcolor="white", barmode="group", margin=dict(l=60, r=20, t=60, b=60),
                       legend=dict(orientation="h", yanchor="top", y=-0.2, x=0))
@@ -178,11 +179,12 @@ def tree_size_table_figure(table: Sequence[dict], marks: Mapping[str, int] | Non
     n = [row["nodes"] for row in table]
     plain_ms = table[0]["step_ms"]
     lines = [
-        ("expected tokens per pass (acceptance statistics)", [row["expected_accepted"] for row in table], BLUE,
-         "solid"),
+        ("expected tokens per forward pass, bonus token included (acceptance statistics)",
+         [row["expected_accepted"] for row in table], BLUE, "solid"),
         ("cost of the pass, in one-token passes (measured t(N))", [row["step_ms"] / plain_ms for row in table],
          VERMILLION, "dash"),
-        ("predicted speedup = tokens per pass / cost", [row["predicted_speedup"] for row in table], BLACK, "solid"),
+        ("predicted speedup = tokens per forward pass / cost", [row["predicted_speedup"] for row in table], BLACK,
+         "solid"),
     ]
     fig = go.Figure()
     for name, ys, colour, dash in lines:
