@@ -1,8 +1,9 @@
 """Race and speed: methods side by side.
 
     race_figure({"plain": events_a, "tr": events_b})     tokens produced against wall-clock time
-    speedup_figure(benchmark)                             speedup (median, interval) and mean accepted tokens
-    accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each step produced
+    speedup_figure(benchmark)                             speedup (median, interval) and tokens per forward pass
+    accepted_length_figure({"pld": ..., "tr": ...})       how many tokens each decoding step produced
+    step_latency_figure(events, baseline_ms=70.0)         per decoding step: tokens added, and its time against plain
     tree_size_figure(benchmark)                           predicted and measured speedup against tree size
     methods_figure(runs)                                  per run (mode), every method's median speedup and interval
 
@@ -18,17 +19,17 @@ from __future__ import annotations
 
 from collections import Counter
 from html import escape
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .palette import BAR_PATTERNS, GREY, method_style
+from tr_core.events import StepEvent  # plain dataclasses: no torch
 
-if TYPE_CHECKING:
-    from tr_core.events import StepEvent
+from .palette import BAR_PATTERNS, BLACK, BLUE, GREY, ORANGE, SKY_BLUE, VERMILLION, method_style, wrap
 
 ALL = "all"  # the category name for a method's overall numbers
+KEY_NUMBER = "tokens per forward pass (bonus token included)"  # the one name of the key number in every figure
 
 
 def race_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
@@ -43,7 +44,8 @@ def race_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
             x=[0.0] + [e.elapsed_s for e in events], y=[0] + [e.total_tokens for e in events], name=name,
             mode="lines", line=dict(color=colour, dash=dash, width=3, shape="hv"),
             customdata=[0] + [e.step for e in events],
-            hovertemplate=f"{escape(method)}<br>step %{{customdata}}<br>%{{y}} tokens at %{{x:.2f}} s<extra></extra>"))
+            hovertemplate=f"{escape(method)}<br>decoding step %{{customdata}}<br>%{{y}} tokens at %{{x:.2f}} s"
+                          "<extra></extra>"))
     fig.update_layout(title="tokens produced against wall-clock time", xaxis_title="seconds",
                       yaxis_title="tokens produced", height=420, plot_bgcolor="white", hovermode="closest",
                       xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
@@ -70,7 +72,8 @@ def _interval(method: dict, category: str) -> tuple[float, float] | None:
 
 
 def speedup_figure(benchmark: dict) -> go.Figure:
-    """Grouped bars per category: speedup over plain decoding (left) and mean accepted tokens per step (right).
+    """Grouped bars per category: speedup over plain decoding (left) and tokens per forward pass, the bonus token
+    included (right).
     Traces come in pairs per method (speedup, then accepted), in the order of ``benchmark["methods"]``.
 
     Where the results hold them (``speedup_median``, ``speedup_ci95``), the speedup bars are the median of the
@@ -80,7 +83,7 @@ def speedup_figure(benchmark: dict) -> go.Figure:
     medians = any("speedup_median" in m for m in benchmark["methods"].values())
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
         "speedup over plain greedy decoding" + (": median, 95% interval" if medians else ""),
-        "mean tokens per forward pass"))
+        KEY_NUMBER))
     for index, (method, numbers) in enumerate(benchmark["methods"].items()):
         colour, _ = method_style(method, index)
         pattern = dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white", solidity=0.3)
@@ -89,7 +92,8 @@ def speedup_figure(benchmark: dict) -> go.Figure:
         differs = identical is False or (not isinstance(identical, bool) and identical < numbers.get("questions", 0))
         name = f"{method} (output differs from plain!)" if differs else method
         speed_key = "speedup_median" if "speedup_median" in numbers else "speedup"
-        for col, key, fmt in [(1, speed_key, "{:.2f}×"), (2, "mean_accepted_tokens", "{:.2f}")]:
+        for col, key, fmt, what in [(1, speed_key, "{:.2f}×", "speedup"),
+                                    (2, "mean_accepted_tokens", "{:.2f}", KEY_NUMBER)]:
             values = [_metric(numbers, c, key) for c in cats]
             tok_s = [_metric(numbers, c, "tokens_per_s") for c in cats]
             intervals = [_interval(numbers, c) if col == 1 else None for c in cats]
@@ -106,7 +110,7 @@ def speedup_figure(benchmark: dict) -> go.Figure:
                 marker=dict(color=colour, pattern=pattern, line=dict(color=colour, width=1)),
                 text=[fmt.format(v) if v is not None else "" for v in values], textposition="outside",
                 customdata=hover,
-                hovertemplate=f"{escape(method)}, %{{x}}<br>{key} %{{y:.2f}}<br>%{{customdata}}<extra></extra>"),
+                hovertemplate=f"{escape(method)}, %{{x}}<br>{what} %{{y:.2f}}<br>%{{customdata}}<extra></extra>"),
                 row=1, col=col)
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"), row=1, col=1)  # plain decoding itself
     questions = {m: n.get("questions") for m, n in benchmark["methods"].items()}
@@ -120,13 +124,14 @@ def speedup_figure(benchmark: dict) -> go.Figure:
 
 
 def accepted_lengths(events: Sequence[StepEvent]) -> dict[int, int]:
-    """``{len(accepted_path): number of steps}``, e.g. ``{1: 12, 4: 1}``. A step that accepted no draft has
-    ``accepted_path == [0]``, length 1: it still produced its bonus token."""
+    """``{len(accepted_path): number of decoding steps}``, e.g. ``{1: 12, 4: 1}``. A step that accepted no draft
+    has ``accepted_path == [0]``, length 1: it still produced its bonus token."""
     return dict(sorted(Counter(len(e.accepted_path) for e in events).items()))
 
 
 def accepted_length_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
-    """A histogram per method of ``len(accepted_path)`` over its steps, as a share of that method's steps so that
+    """A histogram per method of ``len(accepted_path)`` (its tokens per forward pass, the bonus token included)
+    over its decoding steps, as a share of that method's steps so that
     runs of different lengths compare; the counts are in ``customdata`` and in the hover."""
     fig = go.Figure()
     for index, (method, events) in enumerate(runs.items()):
@@ -138,12 +143,13 @@ def accepted_length_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure
             name=f"{method} (mean {sum(k * c for k, c in counts.items()) / total:.2f})",
             marker=dict(color=colour, pattern=dict(shape=BAR_PATTERNS[index % len(BAR_PATTERNS)], fgcolor="white",
                                                    solidity=0.3)),
-            hovertemplate=f"{escape(method)}: %{{customdata}} steps (%{{y:.0f}}%) produced %{{x}} tokens"
+            hovertemplate=f"{escape(method)}: %{{customdata}} decoding steps (%{{y:.0f}}%) produced %{{x}} tokens"
                           "<extra></extra>"))
     fig.update_layout(
         barmode="group", height=400, plot_bgcolor="white", margin=dict(l=60, r=20, t=80, b=60),
-        title="tokens per step: accepted draft tokens + the bonus token (= len(accepted_path))",
-        xaxis=dict(title="tokens produced in one step", dtick=1), yaxis=dict(title="% of steps", gridcolor="#EEEEEE"),
+        title=f"{KEY_NUMBER}: the accepted draft tokens and the bonus token",
+        xaxis=dict(title="tokens produced by one decoding step", dtick=1),
+        yaxis=dict(title="% of decoding steps", gridcolor="#EEEEEE"),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
     return fig
 
@@ -153,7 +159,7 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
 
     The line is the prediction the fitted tree was chosen by (``config.fitted_tree.table``: the likeliest nodes of
     the acceptance statistics, expected accepted tokens / calibrated t(N)); the markers are the Token Recycling
-    methods as measured (``tree_nodes``, ``speedup``), labelled with their measured mean accepted tokens. Where the
+    methods as measured (``tree_nodes``, ``speedup``), labelled with their measured tokens per forward pass. Where the
     results say how long the steps took per token (``step_ms_per_token``), open grey circles show the steps' own
     speedup, which is what the line predicts: the end-to-end speedup also carries each question's prefill."""
     fitted = (benchmark.get("config") or {}).get("fitted_tree") or {}
@@ -164,8 +170,8 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
             x=[row["nodes"] for row in table], y=[row["predicted_speedup"] for row in table], name="predicted",
             mode="lines", line=dict(color=GREY, width=2),
             customdata=[[row["expected_accepted"], row["step_ms"]] for row in table],
-            hovertemplate="%{x} nodes: predicted %{y:.2f}×<br>expected accepted tokens %{customdata[0]:.2f}, "
-                          "step %{customdata[1]:.0f} ms<extra></extra>"))
+            hovertemplate="%{x} nodes: predicted %{y:.2f}×<br>expected " + KEY_NUMBER + " %{customdata[0]:.2f}, "
+                          "decoding step %{customdata[1]:.0f} ms<extra></extra>"))
     # the steps alone (each method's step time per token against plain's): what the prediction models, before the
     # prompt's prefill, which every method pays alike, pulls the end-to-end speedups towards 1
     plain_token = benchmark["methods"].get("plain", {}).get("step_ms_per_token")
@@ -188,11 +194,13 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=[numbers["tree_nodes"]], y=[numbers["speedup"]], name=f"{method} (measured)", mode="markers+text",
             marker=dict(color=colour, size=13, symbol=["circle", "diamond", "square", "triangle-up"][index % 4]),
-            text=[f"{method}: {numbers['speedup']:.2f}×, MAT {mat:.2f}" if mat is not None else method],
+            text=[f"{method}: {numbers['speedup']:.2f}×, {mat:.2f} tokens per forward pass" if mat is not None
+                  else method],
             # labels of the largest trees (near the right edge) extend to the left, so that they are not cut off
             textposition=("top" if at_size[numbers["tree_nodes"]] % 2 else "bottom")
             + (" left" if numbers["tree_nodes"] >= 40 else " center"),
-            hovertemplate=f"{escape(method)}: %{{x}} nodes, measured %{{y:.2f}}×<extra></extra>"))
+            hovertemplate=f"{escape(method)}: %{{x}} nodes, measured %{{y:.2f}}×"
+                          + (f"<br>{KEY_NUMBER} {mat:.2f}" if mat is not None else "") + "<extra></extra>"))
     fig.add_hline(y=1.0, line=dict(color=GREY, dash="dash"))  # plain decoding itself
     fig.update_layout(
         title="speedup over plain decoding against tree size: predicted (line) and measured (markers)",
@@ -206,7 +214,7 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
 def methods_figure(runs: Sequence[dict]) -> go.Figure:
     """One panel per benchmark run (``tr_core.bench_summary``'s entries, e.g. exact and fast mode): a horizontal
     bar per method, its median speedup over plain decoding with the 95% interval, the bar's text giving the tokens
-    per forward pass. Plain decoding is the dashed line at 1."""
+    per forward pass (bonus token included). Plain decoding is the dashed line at 1."""
     fig = make_subplots(rows=1, cols=len(runs), shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=[f"{r.get('mode', '?')} mode" for r in runs])
     for col, run in enumerate(runs, start=1):
@@ -220,12 +228,14 @@ def methods_figure(runs: Sequence[dict]) -> go.Figure:
                                              arrayminus=[m["speedup_median"] - ci[0]])
             fig.add_trace(go.Bar(
                 x=[m["speedup_median"]], y=[name], orientation="h", error_x=error, showlegend=False,
-                marker=dict(color=colour), text=[f"{m['speedup_median']:.2f}×, {m['mean_accepted_tokens']:.2f}/pass"],
+                marker=dict(color=colour),
+                text=[f"{m['speedup_median']:.2f}×, {m['mean_accepted_tokens']:.2f} tokens per forward pass"],
                 textposition="inside", insidetextanchor="start", textfont=dict(color="white", size=11),
                 hovertemplate=(f"<b>{escape(name)}</b><br>median speedup %{{x:.2f}}×"
                                + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-                               + f"<br>{m['mean_accepted_tokens']:.2f} tokens per forward pass"
-                               + f"<br>{m.get('mean_draft_nodes', 0):.1f} draft nodes per step<extra></extra>")),
+                               + f"<br>{KEY_NUMBER} {m['mean_accepted_tokens']:.2f}"
+                               + f"<br>{m.get('mean_draft_nodes', 0):.1f} draft nodes per decoding step"
+                               + "<extra></extra>")),
                 row=1, col=col)
         fig.add_vline(x=1.0, line=dict(color=GREY, dash="dash"), row=1, col=col)
     height = 90 + 34 * max(len(r["methods"]) for r in runs)
@@ -233,4 +243,82 @@ def methods_figure(runs: Sequence[dict]) -> go.Figure:
                       title=dict(text="speedup over plain decoding (median, 95% interval)", font=dict(size=13)))
     fig.update_xaxes(gridcolor="#EEEEEE", rangemode="tozero")
     fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _step_event(event) -> StepEvent:
+    return event if isinstance(event, StepEvent) else StepEvent.from_dict(event)
+
+
+def step_latency_figure(events: list, baseline_ms: float | None = None, title: str | None = None) -> go.Figure:
+    """Per decoding step of a run (``StepEvent`` objects or their dicts), two panels sharing the step axis.
+
+    Top: the tokens the step added, its accepted draft tokens (trace 0) and the bonus token (trace 1) stacked:
+    the tokens per forward pass. Bottom: the step's time, the forward pass (trace 2) and the overhead around it
+    (trace 3, drafting, verifying, updating the matrix) stacked, in ms. With ``baseline_ms`` (plain decoding's time
+    for one token, measured on the same machine) a dashed line at that height and, per step, a tick at what plain
+    decoding would take for the tokens the step added: a step whose bar ends below its tick paid. A step cut at
+    the run's end may add fewer tokens than it accepted; the bars count what it added."""
+    steps = [_step_event(e) for e in events]
+    if not steps:
+        fig = go.Figure()
+        fig.add_annotation(text="No decoding steps yet: run a prompt, and each step's tokens and time appear here.",
+                           showarrow=False, font=dict(size=13))
+        fig.update_layout(height=200, xaxis_visible=False, yaxis_visible=False, plot_bgcolor="white",
+                          title=title)
+        return fig
+    x = [e.step for e in steps]
+    added = [len(e.new_tokens) for e in steps]
+    drafts = [min(e.accepted_draft_tokens, n) for e, n in zip(steps, added)]
+    bonus = [n - d for n, d in zip(added, drafts)]
+    forward = [e.forward_ms for e in steps]
+    overhead = [e.overhead_ms for e in steps]
+    total = [f + o for f, o in zip(forward, overhead)]
+
+    def verdict(n: int, ms: float) -> str:
+        per_token = f"{n} token{'s' * (n != 1)} in {ms:.1f} ms: {ms / n:.1f} ms per token" if n else f"{ms:.1f} ms"
+        if baseline_ms is None or not n:
+            return per_token
+        paid = "paid" if ms < n * baseline_ms else "did not pay"
+        return f"{per_token}<br>plain decoding: {n * baseline_ms:.1f} ms for {n}; this step {paid}"
+
+    hover = [verdict(n, ms) for n, ms in zip(added, total)]
+    bottom = "time per decoding step, ms"
+    if baseline_ms is not None:
+        bottom += "<br>a bar below its tick beat plain decoding"
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.16, row_heights=[0.4, 0.6],
+                        subplot_titles=(KEY_NUMBER, bottom))
+    for annotation in fig.layout.annotations:
+        annotation.font = dict(size=12)
+    for name, values, colour in [("accepted draft tokens", drafts, BLUE), ("bonus token", bonus, ORANGE)]:
+        fig.add_trace(go.Bar(x=x, y=values, name=name, marker=dict(color=colour), customdata=hover,
+                             hovertemplate=f"decoding step %{{x}}: %{{y}} {name}<br>%{{customdata}}<extra></extra>"),
+                      row=1, col=1)
+    for name, values, colour in [("forward pass", forward, SKY_BLUE), ("overhead", overhead, VERMILLION)]:
+        fig.add_trace(go.Bar(x=x, y=values, name=name, marker=dict(color=colour), customdata=hover,
+                             hovertemplate=f"decoding step %{{x}}: {name} %{{y:.1f}} ms<br>%{{customdata}}"
+                                           "<extra></extra>"), row=2, col=1)
+    if baseline_ms is not None:
+        line = dict(color=BLACK, dash="dash", width=1.5)
+        fig.add_hline(y=baseline_ms, line=line, row=2, col=1)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=line,
+                                 name=f"plain decoding: one token per {baseline_ms:.1f} ms"), row=2, col=1)
+        fig.add_trace(go.Scatter(
+            x=x, y=[n * baseline_ms for n in added], mode="markers", customdata=hover,
+            name="tick: plain decoding's time for those tokens",
+            marker=dict(symbol="line-ew-open", size=14, color=BLACK, line=dict(color=BLACK, width=2)),
+            hovertemplate="decoding step %{x}: plain decoding would take %{y:.1f} ms<br>%{customdata}<extra></extra>"),
+            row=2, col=1)
+    # Laid out for a phone as well as a laptop: the title wrapped, the legend under the plot with room for the
+    # five rows it takes at 360 px (one at a laptop's width).
+    title = wrap(title or "Each decoding step: the tokens it added and the time it took", 48)
+    height = 560
+    fig.update_layout(
+        barmode="stack", height=height, plot_bgcolor="white", hovermode="closest", bargap=0.15,
+        title=dict(text=title, font=dict(size=14), x=0, xref="paper", y=1 - 22 / height, yanchor="top"),
+        legend=dict(orientation="h", yanchor="top", y=-0.14, x=0, font=dict(size=11), traceorder="normal"),
+        margin=dict(l=50, r=10, t=70 + 18 * title.count("<br>"), b=150))
+    fig.update_xaxes(title_text="decoding step", tickformat="d", row=2, col=1)
+    fig.update_yaxes(title_text="tokens", dtick=1, gridcolor="#EEEEEE", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="ms", gridcolor="#EEEEEE", rangemode="tozero", row=2, col=1)
     return fig

@@ -1,4 +1,4 @@
-"""Colours and marker shapes, one place for every figure.
+"""Colours, marker shapes and sizes, one place for every figure.
 
 Colours are Okabe & Ito's palette (distinguishable with the common colour-vision deficiencies), and each node
 role in the draft tree also has its own marker shape, so the story survives a grey-scale print. The same role keeps
@@ -6,6 +6,10 @@ its colour across figures: blue is always the accepted path, orange the bonus to
 """
 
 from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from typing import Sequence
 
 # Okabe & Ito (2008), "Color Universal Design".
 BLACK = "#000000"
@@ -39,10 +43,12 @@ NODE_SOURCES: dict[str, tuple[str, dict[str, str]]] = {
 SOURCE_KEY = "#444444"  # a source's legend key: its shape, in a colour no role uses
 CONTEXT_EDGE = BLUISH_GREEN  # the edges into nodes copied from the context
 
-# Adjacency-matrix cells: (legend name, colour), in the order of their code in the heatmap.
+# Adjacency-matrix cells: (legend name, colour), in the order of their code in the heatmap. The update rewrites
+# every row of a tree token; only a token new to its row (or dropped from it) is a change worth the eye.
 CELL_ROLES: list[tuple[str, str]] = [
-    ("kept (same token, same rank)", LIGHT_GREY),
-    ("replaced by this step", YELLOW),
+    ("same token, same rank", "#F3F3F3"),
+    ("same token, moved to another rank", LIGHT_GREY),
+    ("changed: new in the row, or dropped from it", YELLOW),
     ("on the accepted path", SKY_BLUE),
 ]
 
@@ -75,3 +81,42 @@ def discrete_colorscale(colours: list[str]) -> list[list]:
     for i, colour in enumerate(colours):
         scale += [[i / n, colour], [(i + 1) / n, colour]]
     return scale
+
+
+@dataclass(frozen=True)
+class Look:
+    """Sizes for one target width: ``width`` is the narrowest plot a figure is laid out for (a wider one only adds
+    room), ``font`` its labels', ``title_chars`` where its title wraps, ``side`` its left and right margins."""
+
+    width: int
+    font: int
+    title_font: int
+    title_chars: int
+    legend_font: int
+    side: int
+
+
+WIDE = Look(width=760, font=11, title_font=14, title_chars=92, legend_font=12, side=20)  # a laptop's column
+COMPACT = Look(width=360, font=10, title_font=12, title_chars=50, legend_font=11, side=8)  # a phone
+
+
+def look(compact: bool) -> Look:
+    return COMPACT if compact else WIDE
+
+
+def wrap(text: str, chars: int) -> str:
+    """Break ``text`` at spaces into ``<br>``-joined lines of at most ``chars`` (a token's text shows its spaces
+    as '␣', so it is never broken): ``wrap("a bb ccc", 4)`` -> ``'a bb<br>ccc'``."""
+    return "<br>".join(textwrap.wrap(text, chars, break_long_words=False, break_on_hyphens=False))
+
+
+def legend_rows(names: Sequence[str], lk: Look) -> int:
+    """How many rows a horizontal legend of ``names`` takes at ``lk.width`` (plotly wraps its items, each a
+    40 px key and its text): ``legend_rows(["a" * 40] * 3, COMPACT)`` -> ``3``."""
+    rows, used, room = 1, 0.0, lk.width - 2 * lk.side
+    for name in names:
+        item = 40 + len(name) * lk.legend_font * 0.58
+        if used and used + item > room:
+            rows, used = rows + 1, 0.0
+        used += item
+    return rows
