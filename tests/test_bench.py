@@ -120,7 +120,7 @@ def test_tree_size_figure_draws_the_prediction_and_each_measured_tree():
     assert list(line.x) == [1, 2, 4, 8] and list(line.y) == [1.0, 1.2, 1.3, 0.9]
     assert [(m.name, list(m.x), list(m.y)) for m in markers] == [("tr (measured)", [4], [1.25]),
                                                                   ("tr-paper (measured)", [81], [0.5])]
-    assert "MAT 2.30" in markers[1].text[0]
+    assert "2.30 tokens per forward pass" in markers[1].text[0]
     # with the steps' own time per token, one more trace: each tree's steps against plain's
     bench["methods"]["plain"]["step_ms_per_token"] = 60.0
     bench["methods"]["tr"]["step_ms_per_token"] = 40.0
