@@ -36,6 +36,9 @@ MAX_MODEL_ID_CHARS = 200
 # A Hugging Face hub id: "name" or "owner/name"; letters, digits, '-', '_', '.'.
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 KEPT_CONTROLS = {"\n", "\t"}
+# A web address of a model page on the hub: its path starts with the hub id ("owner/name"), then maybe "/tree/main"
+HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(?P<path>[^?#]*)(?:[?#].*)?", re.IGNORECASE)
+WEB_ADDRESS = re.compile(r"[a-z][a-z0-9+.-]*://", re.IGNORECASE)
 
 
 class InputError(ValueError):
@@ -109,8 +112,8 @@ def clean_prompt(text) -> Prompt:
             kept.append(ch)
     cleaned = "".join(kept)
     if not cleaned.strip():
-        what = "only spaces or control characters" if text else "nothing"
-        raise InputError(f"The prompt is empty ({what}): type a prompt first, or pick an example.")
+        what = "holds only spaces or invisible characters" if text else "is empty"
+        raise InputError(f"Type a prompt first: the box {what}. Or pick a Spec-Bench question below it.")
     notes = []
     if controls:
         notes.append(f"{controls} control character{'s' * (controls != 1)} removed")
@@ -183,6 +186,7 @@ def check_model_id(value, allow_local: bool) -> str:
         raise InputError(f"A model id has at most {MAX_MODEL_ID_CHARS} characters; this one has {len(text):,}.")
     if not text.isprintable():
         raise InputError(f"{_shown(text)} is not a hub id: it holds control or invisible characters.")
+    text = hub_id_of_address(text)
     if looks_like_a_path(text):
         if allow_local:
             return text
@@ -193,6 +197,28 @@ def check_model_id(value, allow_local: bool) -> str:
         raise InputError(f"{_shown(text)} is not a hub id: a hub id is 'name' or 'owner/name', of letters, digits, "
                          "'-', '_' and '.'.")
     return text
+
+
+def hub_id_of_address(text: str) -> str:
+    """The hub id in a model page's web address (``text`` itself if it is no web address); ``InputError`` for a web
+    address elsewhere, or one that names no model.
+
+    >>> hub_id_of_address("https://huggingface.co/HuggingFaceTB/SmolLM2-135M/tree/main")
+    'HuggingFaceTB/SmolLM2-135M'
+    >>> hub_id_of_address("gpt2")
+    'gpt2'
+    """
+    page = HUB_URL.fullmatch(text)
+    if page is None:
+        if WEB_ADDRESS.match(text):
+            raise InputError(f"{_shown(text)} is a web address: paste the model's hub id, 'owner/name' (for example "
+                             "HuggingFaceTB/SmolLM2-135M-Instruct).")
+        return text
+    parts = [p for p in page["path"].split("/") if p]
+    if parts[:1] in (["models"], ["spaces"], ["datasets"]) or not parts:
+        raise InputError(f"{_shown(text)} names no model: paste the model's hub id, 'owner/name' (for example "
+                         "HuggingFaceTB/SmolLM2-135M-Instruct).")
+    return "/".join(parts[:2]) if len(parts) > 1 and parts[1] not in ("tree", "blob", "resolve") else parts[0]
 
 
 def _shown(value) -> str:

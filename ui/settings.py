@@ -41,7 +41,7 @@ class Settings:
         """The settings a request brings, in the order of the page's controls; ``InputError`` names the first that
         is refused."""
         return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
-                   check_choice(tree, "draft tree", trees), check_number(top_k, "k (candidates per row)", TOP_K),
+                   check_choice(tree, "draft tree", trees), check_number(top_k, "k: candidates per row", TOP_K),
                    check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
                    check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(NAMES)),
                    check_race_methods(DEFAULT_RACE if race_methods is None else race_methods))
