@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from html import escape
 from contextlib import contextmanager
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -25,19 +26,21 @@ from tr_core.events import Rates  # noqa: E402
 from tr_core.kernels import MODES  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
-from ui.errors import user_errors  # noqa: E402
-from ui.explain import build_tab as explain_tab  # noqa: E402
-from ui.inputs import MAX_NEW_TOKENS, TOP_K, InputError, check_model_id, check_step  # noqa: E402
+from ui.errors import as_user_error, user_errors  # noqa: E402
+from ui.explain import EXPLAIN_CSS, build_tab as explain_tab  # noqa: E402
+from ui.inputs import MAX_NEW_TOKENS, TOP_K, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
 from ui.page import (BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER,  # noqa: E402
                      TREE_PLACEHOLDER)
-from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, counters_html, finished_status,  # noqa: E402
-                       history_html, lanes_html, race_table_html)
-from ui.run import RACE_METHODS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
+from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, method_label, counters_html, decoding_speed,  # noqa: E402
+                       finished_status, history_html, lanes_html, ms_per_step, notice_html, race_summary,
+                       race_table_html, race_verdict)
+from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
 from ui.settings import (DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help,  # noqa: E402
                          tree_choices)
 from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
+from visualize.charts import step_latency_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -53,19 +56,68 @@ FIGURE_EVERY_S = 0.75
 REPLAY_FRAME_S = 0.1
 PLAY_EVERY_S = 0.8
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
-# A tree a user can watch at work. "auto", the fastest on this machine, can be empty on a small CPU, where verifying
-# any draft costs more than it saves: the status line then says so.
-DEFAULT_TREE = "small"
+# The tree fitted to the model and this machine, which resizes itself by the step times it measures: the tree that
+# pays here. Where no tree pays (a small CPU), it is empty and the run is plain decoding: the page then says so and
+# offers WATCH_TREE, a tree to watch at work.
+DEFAULT_TREE = "auto"
+WATCH_TREE = "small"
 # exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: a separate copy of the model, loaded
 # on first use, in the half-precision format measured fastest on this machine (tr_core.layouts); the status says which
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
-LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot")
-RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history")
+LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
+                "notice", "step_plot", "watch")
+RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history", "race_step_plot")
+SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id")  # a setting in both tabs, kept alike
+
+TITLE = "# ♻️ Token Recycling, live"
+SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a tree of guesses recycled from earlier "
+           "passes, and the answer stays exactly plain greedy decoding's. **Live** decodes your prompt step by step, "
+           "**Race** measures the speedup on this machine, **How it works** walks through one decoding step.")
+CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to what a forward pass costs here, and "
+              "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
+              f"decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the {WATCH_TREE} "
+              "tree.")
+RACE_ROUNDS_NOTE = (f"Each method runs **{RACE_ROUNDS} times, interleaved**: a round runs every method once, in an "
+                    "order rotated each round, and the table gives the median with its range (min–max). Every run of "
+                    "a matrix method starts from a fresh copy of your matrix: nothing a run teaches carries over to "
+                    "another run or round; only what the app learns about sizing trees on this machine (measured step "
+                    "times) carries over, as between your live runs. The replay shows each method's median round.")
+APP_CSS = """
+.tr-notice { font-size: 15px; line-height: 1.5; padding: 10px 14px; border-radius: 6px; margin: 4px 0;
+             color: var(--body-text-color); }
+.tr-notice.tr-error { border-left: 6px solid #D55E00; background: rgba(213, 94, 0, 0.10); }
+.tr-notice.tr-callout { border-left: 6px solid #E69F00; background: rgba(230, 159, 0, 0.16); font-weight: 500; }
+#race-status p { font-size: 17px; font-weight: 600; line-height: 1.5; }
+.tr-counters { grid-template-columns: repeat(auto-fit, minmax(140px, 1fr)) !important; }
+.tr-stat { flex-direction: column; align-items: flex-start !important; gap: 0 !important; }
+.tr-baseline { font-size: 13px; margin-top: 6px; }
+.tr-lanes { grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)) !important; }
+.tr-table-wrap { overflow-x: auto; }
+@media (max-width: 640px) {
+  #intro h1 { font-size: 22px; margin-bottom: 4px; }
+  #intro p { font-size: 13px; }
+  .tr-stat { padding: 2px 8px; }
+  .tr-stat b { font-size: 18px; }
+  .tr-table { font-size: 12px; }
+  .tr-table th, .tr-table td { padding: 3px 5px; }
+}
+"""
 
 
 def _out(names: tuple[str, ...], **values) -> tuple:
     """One update per output in ``names`` order; an output not given stays as it is."""
     return tuple(values.get(name, gr.skip()) for name in names)
+
+
+def _shown_errors(stream, failed):
+    """``stream``'s updates; a failure ends it with ``failed(message)`` (the updates that show the message in the
+    page, in plain sight: no toast or error badge over it) and, for an API caller, the same message as the error."""
+    try:
+        yield from stream
+    except Exception as e:
+        message = as_user_error(e).message
+        yield failed(message)
+        raise gr.Error(message, visible=False, print_exception=False) from None
 
 
 def placeholder(text: str) -> go.Figure:
@@ -75,9 +127,12 @@ def placeholder(text: str) -> go.Figure:
                              margin=dict(l=20, r=20, t=20, b=20))
 
 
+STEPS_PLACEHOLDER = "Each decoding step's time and the tokens it added appear here, beside plain decoding's."
+
+
 def _step_slider(n: int, value: int | None = None) -> gr.Slider:
     return gr.Slider(minimum=0, maximum=max(1, n - 1), value=n - 1 if value is None else value, step=1,
-                     interactive=n > 1, label=f"Step ({n} in this run): drag to see any step")
+                     interactive=n > 1, label=f"Decoding step ({n} in this run): drag to see any")
 
 
 def budget_view(event) -> go.Figure:
@@ -85,49 +140,56 @@ def budget_view(event) -> go.Figure:
     return budget_figure(event) if event.budget is not None else placeholder(BUDGET_PLACEHOLDER)
 
 
-def _prepared(run, failed: tuple):
-    """Set ``run`` up; where it cannot run, show ``failed`` before the error's message."""
-    try:
-        run.prepare()
-    except Exception:
-        yield failed
-        raise
-    return
-    yield  # a generator, for ``yield from``
-
-
-def live_frame(snap: Snapshot, text, figures: bool, session: Session) -> tuple:
+def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) -> tuple:
     """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; on the
     final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
     last = snap.events[-1] if snap.events else None
-    status = finished_status(last, snap.stopped) if snap.done else "running"
-    values = dict(answer=answer_html(snap.events), counters=counters_html(snap.rates, status, snap.note),
-                  session=session)
+    status = (finished_status(last, snap.stopped) if snap.done else
+              "decoded; now measuring plain decoding on your prompt, for comparison…" if snap.measuring_baseline
+              else "running")
+    values = dict(answer=answer_html(snap.events, hidden=run.hidden), session=session,
+                  counters=counters_html(snap.rates, status, snap.note, snap.baseline, decoding_speed(snap.events)))
     if (figures or snap.done) and last:
-        values.update(tree_plot=tree_figure(last, text), matrix_plot=matrix_figure(last, text),
+        values.update(tree_plot=tree_figure(last, run.token_text), matrix_plot=matrix_figure(last, run.token_text),
                       step=_step_slider(len(snap.events)), budget_plot=budget_view(last))
     if snap.done:
-        values["history"] = history_html(session.history)
+        baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
+        values.update(history=history_html(session.history), watch=gr.Button(visible=snap.drafted_nothing),
+                      notice=notice_html(CANNOT_PAY, "callout") if snap.drafted_nothing else "",
+                      step_plot=step_latency_figure(snap.events, baseline_ms=baseline_ms) if last else gr.skip())
     return _out(LIVE_OUTPUTS, **values)
 
 
+def race_step_plot(runs: dict[str, RaceRun]) -> go.Figure:
+    """Token Recycling's (else the first method's) decoding steps in the race, against plain decoding's ms per
+    token."""
+    method = "tr" if "tr" in runs else next(m for m in runs if m != "plain")
+    return step_latency_figure(runs[method].events, baseline_ms=ms_per_step(runs["plain"].events),
+                               title=f"{method_label(method)}: each decoding step of its median round, against "
+                                     "plain decoding")
+
+
 def race_frame(progress: RaceProgress, race: Race, session: Session) -> tuple:
-    """The Race tab while measuring, and the table once every method is measured."""
+    """The Race tab while measuring, and the verdict, the table and the step figure once every round is measured."""
     tree = race.settings.tree
     if not progress.done:
-        return _out(RACE_OUTPUTS, race_status=progress.status, lanes=lanes_html(progress.runs, None, tree))
+        return _out(RACE_OUTPUTS, race_status=progress.status, lanes=lanes_html(progress.runs, None, tree, race.hidden))
     if progress.stopped:
         return _out(RACE_OUTPUTS, race_status=progress.status)
-    return _out(RACE_OUTPUTS, race_status=progress.status, table=race_table_html(progress.runs, race.decode, tree),
-                session=session, history=history_html(session.history))
+    verdict = race_verdict(race_summary(progress.rounds))
+    table = race_table_html(progress.rounds, race.decode, tree)
+    table += f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}.</div>'
+    return _out(RACE_OUTPUTS, race_status=f"{verdict} Replaying the median rounds side by side…", table=table,
+                session=session, history=history_html(session.history), race_step_plot=race_step_plot(progress.runs))
 
 
 class Handlers:
     """The app's event handlers: adapters that check a request's values, ask a run (``ui.run``) for its next
     snapshot, throttle and render it. Holds the models loaded in this process (shared by all users) and, per
     browser session, what its Stop ends; everything of one user lives in their ``Session``. The events take raw
-    values (``preprocess=False``); every failure ends as one message (``ui.errors``). ``trees`` are the draft trees a
-    user may pick; ``allow_local_models`` lets the Model box name a folder on the server."""
+    values (``preprocess=False``); every failure ends as one message in the page (``_shown_errors``) and, for an
+    API caller, as the error (``ui.errors``). ``trees`` are the draft trees a user may pick; ``allow_local_models``
+    lets the Model box name a folder on the server."""
 
     def __init__(self, models: ModelCache, trees: list[str], allow_local_models: bool = False):
         self.models, self.trees, self.allow_local_models = models, trees, allow_local_models
@@ -149,20 +211,25 @@ class Handlers:
     @user_errors
     def live(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
              method="tr", request: gr.Request = None):
-        """Decode with the method picked (Token Recycling by default), streaming the answer at most every ``TEXT_EVERY_S`` and the figures every
-        ``FIGURE_EVERY_S`` (steps in between arrive together), then the whole final state."""
-        run = LiveRun(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
-                                                           mode, method))
-        if run.needs_loading:
-            yield _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "loading the model (once per process and mode)…"))
-        yield from _prepared(run, _out(LIVE_OUTPUTS, counters=counters_html(Rates(), "not run: see the message")))
+        """Decode with the method picked (Token Recycling by default), streaming the answer at most every
+        ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive together), then plain
+        decoding's speed for comparison and the whole final state."""
+        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method)
+        yield from _shown_errors(self._live(values, session, request), lambda message: _out(
+            LIVE_OUTPUTS, notice=notice_html(message), counters=counters_html(Rates(), "not run: see the message")))
+
+    def _live(self, values: tuple, session: Session, request: gr.Request):
+        run = LiveRun(session, self.models, self._settings(*values))
+        yield _out(LIVE_OUTPUTS, notice="", watch=gr.Button(visible=False), counters=counters_html(
+            Rates(), "loading the model (once per process and mode)…" if run.needs_loading else "setting up…"))
+        run.prepare()
         yield _out(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
                    counters=counters_html(Rates(), "running", run.note), step=_step_slider(1, 0))
         text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
         with self._stoppable(request, run):
             for snap in run.snapshots():
-                if snap.done or text_due():
-                    yield live_frame(snap, run.token_text, snap.done or figures_due(), session)
+                if snap.done or snap.measuring_baseline or text_due():
+                    yield live_frame(snap, run, snap.done or figures_due(), session)
 
     def stop(self, request: gr.Request) -> None:
         """Stop pressed: this browser session's run, race or replay ends after its current step."""
@@ -178,8 +245,8 @@ class Handlers:
         if live is None or not live.events:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         event = live.events[check_step(index, len(live.events))]
-        return (answer_html(live.events, current=event.step), tree_figure(event, live.token_text),
-                matrix_figure(event, live.token_text), budget_view(event))
+        return (answer_html(live.events, current=event.step, hidden=live.hidden),
+                tree_figure(event, live.token_text), matrix_figure(event, live.token_text), budget_view(event))
 
     @user_errors
     def play(self, index: float, session: Session):
@@ -202,51 +269,55 @@ class Handlers:
         session = Session()
         return (session, answer_html([], placeholder="Reset: your matrix starts again from the shipped hot start."),
                 counters_html(Rates()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
-                placeholder(BUDGET_PLACEHOLDER), _step_slider(1, 0), history_html(session.history))
+                placeholder(BUDGET_PLACEHOLDER), _step_slider(1, 0), history_html(session.history), "",
+                placeholder(STEPS_PLACEHOLDER), gr.Button(visible=False))
 
     @user_errors
     def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
              methods=DEFAULT_RACE, request: gr.Request = None):
-        """Measure plain decoding and the picked methods one after another, each alone on the CPU; the table comes
-        out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
-        race = Race(session, self.models, self._settings(prompt, max_new_tokens, tree, top_k, hot_start, model_id,
-                                                         mode, "tr", methods))
+        """Measure plain decoding and the picked methods in rounds, each run alone on the CPU; the verdict and the
+        table come out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
+        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, "tr", methods)
+        yield from _shown_errors(self._race(values, session, request), lambda message: _out(
+            RACE_OUTPUTS, race_status=f"Not run: {message}"))
+
+    def _race(self, values: tuple, session: Session, request: gr.Request):
+        race = Race(session, self.models, self._settings(*values))
         yield _out(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
-                   lanes=lanes_html(dict.fromkeys(race.methods), None, tree), table="",
-                   race_plot=placeholder(RACE_PLACEHOLDER))
-        yield from _prepared(race, _out(RACE_OUTPUTS, race_status="Not run: see the message."))
+                   lanes=lanes_html(dict.fromkeys(race.methods), None, values[2]), table="",
+                   race_plot=placeholder(RACE_PLACEHOLDER), race_step_plot=placeholder(STEPS_PLACEHOLDER))
+        race.prepare()
         with self._stoppable(request, race):
             for progress in race.progress():
                 yield race_frame(progress, race, session)
 
     @user_errors
     def replay(self, session: Session, request: gr.Request):
-        """The measured runs side by side, each step appearing when it finished in its own run."""
+        """Each method's median round side by side, each step appearing when it finished in its own run; then the
+        race's verdict again."""
         race = session.race
         if race is None:
             return
         end, t0 = max(run.elapsed_s for run in race.runs.values()), time.perf_counter()
         with self._stoppable(request, Stoppable()) as replay:
             while (t := time.perf_counter() - t0) < end and not replay.stopped:
-                yield (f"Replaying at the measured speed: {t:.1f} s of {end:.1f} s",
-                       lanes_html(race.runs, t, race.tree), race_chart(race.runs, t))
+                yield (f"Replaying each method's median round at its measured speed: {t:.1f} s of {end:.1f} s",
+                       lanes_html(race.runs, t, race.tree, race.hidden), race_chart(race, t))
                 time.sleep(REPLAY_FRAME_S)
-        done = "Replay stopped" if replay.stopped else "Done"
-        yield f"{done}. Token Recycling's {race.note}.", lanes_html(race.runs, None, race.tree), race_chart(race.runs)
+        yield (race_verdict(race_summary(race.rounds)), lanes_html(race.runs, None, race.tree, race.hidden),
+               race_chart(race))
 
     @user_errors
     def load_model(self, model_id: str):
-        """Load a model (a hub id, a local folder where allowed; empty: the embedded one) and say how it went: a
-        model that does not load ends as an error, after the status line says so."""
-        try:
-            model_id = check_model_id(model_id, self.allow_local_models)
-            if not self.models.loaded(model_id):
-                yield f"Loading {model_name(model_id)}…"
-            summary = self.models.describe(model_id)
-        except (InputError, ModelLoadError) as e:
-            yield f"**Not loaded.** {e}"
-            raise
-        yield f"**Loaded** {summary}."
+        """Load a model (a hub id, a local folder where allowed; empty: the embedded one) and say how it went, in
+        the page; a model that does not load ends as an error for an API caller."""
+        yield from _shown_errors(self._load(model_id), lambda message: f"**Not loaded.** {message}")
+
+    def _load(self, model_id: str):
+        model_id = check_model_id(model_id, self.allow_local_models)
+        if not self.models.loaded(model_id):
+            yield f"Loading {model_name(model_id)}…"
+        yield f"**Loaded** {self.models.describe(model_id)}."
 
     @user_errors
     def trace(self, session: Session) -> dict:
@@ -255,13 +326,19 @@ class Handlers:
         return session.trace()
 
 
-def race_chart(runs: dict[str, RaceRun], at_s: float | None = None):
-    """The race figure of every step finished ``at_s`` seconds into each run (``None``: all), on the axes of the
-    whole race so that the lines grow instead of the axes."""
+def race_chart(race, at_s: float | None = None):
+    """The race figure of each method's median round, every step finished ``at_s`` seconds into its run (``None``:
+    all), on the axes of the whole race so that the lines grow instead of the axes; each method's legend gives its
+    median tokens/s over the rounds and their range."""
+    runs = race.runs
     fig = race_figure({m: [e for e in r.events if at_s is None or e.elapsed_s <= at_s] for m, r in runs.items()})
+    for trace, (method, summary) in zip(fig.data, race_summary(race.rounds).items()):
+        trace.name = f"{method}: {summary.tokens_per_s.shown()} tok/s"
     end = max(r.elapsed_s for r in runs.values())
     tokens = max(r.events[-1].total_tokens for r in runs.values())
-    return fig.update_xaxes(range=[0, end * 1.03]).update_yaxes(range=[0, tokens * 1.05])
+    return (fig.update_xaxes(range=[0, end * 1.03]).update_yaxes(range=[0, tokens * 1.05])
+            .update_layout(title=f"tokens against time: each method's median round of {len(race.rounds['plain'])} "
+                                 "(legend: median tokens/s, range)"))
 
 
 def example_prompts() -> tuple[list[str], list[str]]:
@@ -269,6 +346,36 @@ def example_prompts() -> tuple[list[str], list[str]]:
     picks = stratified(load_questions(), 1)
     labels = [f"{q.category}: {q.prompt[:70]}{'…' if len(q.prompt) > 70 else ''}" for q in picks]
     return [q.prompt for q in picks], labels
+
+
+def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_models: bool) -> dict:
+    """The run's settings, as one tab shows them (``prefix`` tells its elements apart): the prompt and the tree in
+    sight, the rest folded. Both tabs have one, kept alike."""
+    c = {}
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3, min_width=300):
+            c["prompt"] = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=2, max_lines=8, elem_id=f"{prefix}prompt")
+            c["example"] = gr.Dropdown([(label, i) for i, label in enumerate(example_labels)], value=None,
+                                       label="…or take a Spec-Bench question (one per category)",
+                                       elem_id=f"{prefix}example")
+        with gr.Column(scale=2, min_width=300):
+            c["tree"] = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id=f"{prefix}tree")
+            c["max_new"] = gr.Slider(8, MAX_NEW_TOKENS[1], value=64, step=8, label="Max new tokens",
+                                     elem_id=f"{prefix}max-new")
+            with gr.Accordion("More settings: k, mode, hot start, model", open=False):
+                c["top_k"] = gr.Slider(TOP_K[0], TOP_K[1], value=8, step=1, label="k: candidates per row",
+                                       elem_id=f"{prefix}k")
+                c["mode"] = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="exact",
+                                     label="Mode (every method alike)", elem_id=f"{prefix}mode")
+                c["hot"] = gr.Checkbox(True, label="Hot start: begin from the shipped matrix and keep what your runs "
+                                       "teach it (off: an empty matrix every run)", elem_id=f"{prefix}hot")
+                c["model_id"] = gr.Textbox("", label="Model: hub id" + (" or local folder" if allow_local_models
+                                                                        else ""),
+                                           placeholder="empty: the embedded SmolLM2-135M-Instruct (default)",
+                                           elem_id=f"{prefix}model-id")
+                c["load"] = gr.Button("Load model", size="sm", elem_id=f"{prefix}load")
+                c["model_status"] = gr.Markdown("", elem_id=f"{prefix}model-status")
+    return c
 
 
 def build_app(models: ModelCache | None = None, allow_local_models: bool = False) -> gr.Blocks:
@@ -279,101 +386,109 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
     h = Handlers(models or ModelCache(), [name for _, name in choices], allow_local_models)
     with gr.Blocks(title="Token Recycling", analytics_enabled=False) as demo:
         session = gr.State(Session())
-        gr.Markdown(INTRO, elem_id="intro")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3):
-                prompt = gr.Textbox(DEFAULT_PROMPT, label="Prompt", lines=3, max_lines=8, elem_id="prompt")
-                example = gr.Dropdown([(label, i) for i, label in enumerate(example_labels)], value=None,
-                                      label="…or take a Spec-Bench question (one per category)", elem_id="example")
-                hot = gr.Checkbox(True, label="Hot start: begin from the shipped matrix and keep what your runs "
-                                  "teach it (off: an empty matrix every run)", container=False, elem_id="hot")
-            with gr.Column(scale=2):
-                tree = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id="tree")
-                mode = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="exact", label="Mode (every method alike)",
-                                elem_id="mode")
-                with gr.Row():
-                    top_k = gr.Slider(TOP_K[0], TOP_K[1], value=8, step=1, label="k: candidates per row",
-                                      elem_id="k")
-                    max_new = gr.Slider(8, MAX_NEW_TOKENS[1], value=64, step=8, label="Max new tokens",
-                                        elem_id="max-new")
-                with gr.Accordion("Model: the embedded SmolLM2-135M-Instruct unless you load another", open=False):
-                    model_id = gr.Textbox("", label="Hub id" + (" or local folder" if allow_local_models else ""),
-                                          placeholder="empty: the embedded SmolLM2-135M-Instruct (default)",
-                                          elem_id="model-id")
-                    load = gr.Button("Load model", size="sm")
-                    model_status = gr.Markdown("")
+        with gr.Column(elem_id="intro"):
+            gr.Markdown(f"{TITLE}\n{SUMMARY}")
+            with gr.Accordion("What Token Recycling does", open=False):
+                gr.Markdown(INTRO.split("\n", 1)[1])
         with gr.Tabs():
-            with gr.Tab("Live decoding", id="live"):
-                live_method = gr.Dropdown(method_choices(), value="tr", label="Method (Token Recycling by default; "
-                                          "the methods beyond the paper size their own trees)", elem_id="method")
+            with gr.Tab("Live", id="live", elem_id="live-tab") as live_tab:
+                live = settings_panel("", choices, example_labels, allow_local_models)
                 with gr.Row():
-                    run = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run")
-                    stop = gr.Button("Stop", size="md", scale=1, elem_id="stop")
-                    reset = gr.Button("Reset my matrix and history", size="md", scale=1, elem_id="reset")
+                    live_method = gr.Dropdown(method_choices(), value="tr", label="Method", elem_id="method",
+                                              min_width=200, scale=2)
+                    run = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run", min_width=100)
+                    stop = gr.Button("Stop", size="md", scale=1, elem_id="stop", min_width=80)
+                notice = gr.HTML("", elem_id="notice")
+                watch = gr.Button(f"Watch the {WATCH_TREE} tree anyway", variant="primary", visible=False,
+                                  elem_id="watch")
                 counters = gr.HTML(counters_html(Rates()), elem_id="counters")
                 with gr.Row(equal_height=False):
-                    with gr.Column(scale=5):
+                    with gr.Column(scale=5, min_width=320):
                         gr.HTML(ANSWER_LEGEND)
                         answer = gr.HTML(answer_html([], placeholder="The answer streams here, step by step."),
                                          elem_id="answer")
                         step = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="step",
-                                         label="Step: after a run, drag to see any step")
+                                         label="Decoding step: after a run, drag to see any")
                         with gr.Row():
-                            play = gr.Button("▶ Play the steps", size="sm", elem_id="play")
-                            pause = gr.Button("❚❚ Pause", size="sm", elem_id="pause")
-                    with gr.Column(scale=7):
-                        tree_plot = gr.Plot(placeholder(TREE_PLACEHOLDER), label="Draft tree of the step",
+                            play = gr.Button("▶ Play the decoding steps", size="sm", elem_id="play", min_width=120)
+                            pause = gr.Button("❚❚ Pause", size="sm", elem_id="pause", min_width=80)
+                    with gr.Column(scale=7, min_width=320):
+                        tree_plot = gr.Plot(placeholder(TREE_PLACEHOLDER), label="Draft tree of the decoding step",
                                             show_label=False, elem_id="tree-plot")
+                step_plot = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Each decoding step against plain decoding",
+                                    show_label=False, elem_id="step-plot")
                 matrix_plot = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="Adjacency-matrix rows the step rewrote",
                                       show_label=False, elem_id="matrix-plot")
                 budget_plot = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="Tree budget: expected tokens/s by size",
                                       show_label=False, elem_id="budget-plot")
                 with gr.Accordion("Your runs in this session", open=True):
                     history = gr.HTML(history_html([]), elem_id="history")
+                    reset = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
                 with gr.Accordion("Step events of your latest run and race (JSON, as the command line's --trace "
                                   "writes them)", open=False):
                     show_trace = gr.Button("Show the step events", size="sm", elem_id="show-trace")
                     trace = gr.JSON(elem_id="trace")
-            with gr.Tab("Race: Token Recycling against plain decoding and others", id="race", elem_id="race-tab"):
-                gr.Markdown(RACE_INTRO)
+            with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab:
+                gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
+                racing = settings_panel("race-", choices, example_labels, allow_local_models)
                 race_methods = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
                                                 label="Race against plain decoding", elem_id="race-methods")
                 with gr.Accordion("What each method drafts from", open=False):
                     gr.Markdown(methods_help())
                 with gr.Row():
                     race = gr.Button("Run the race", variant="primary", size="md", scale=2, elem_id="race-run")
-                    race_stop = gr.Button("Stop", size="md", scale=1)
-                    gr.HTML("", scale=2)
+                    race_stop = gr.Button("Stop", size="md", scale=1, elem_id="race-stop")
                 race_status = gr.Markdown(elem_id="race-status")
-                lanes = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
                 table = gr.HTML(elem_id="race-table")
                 race_plot = gr.Plot(placeholder(RACE_PLACEHOLDER), label="Tokens against time, as measured",
                                     show_label=False, elem_id="race-plot")
+                race_step = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Token Recycling's decoding steps",
+                                    show_label=False, elem_id="race-step-plot")
+                lanes = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
             explain_tab()  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
 
-        settings = [prompt, max_new, tree, top_k, hot, model_id, mode, session]
+        # what a user set in one tab holds in the other: the tab opened takes the settings of the tab left
+        live_shared, race_shared = [live[n] for n in SHARED], [racing[n] for n in SHARED]
+        race_tab.select(lambda *values: values, live_shared, race_shared, queue=False, api_visibility="private")
+        live_tab.select(lambda *values: values, race_shared, live_shared, queue=False, api_visibility="private")
+        prompts = [live["prompt"], racing["prompt"]]
+        for panel in (live, racing):
+            panel["example"].input(lambda i: (gr.skip(),) * 2 if i is None else (examples[i],) * 2, panel["example"],
+                                   prompts, api_visibility="private")
+
         model_work = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
         raw = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
-        example.input(lambda i: gr.skip() if i is None else examples[i], example, prompt, api_visibility="private")
-        live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot]
-        run.click(h.live, settings + [live_method], live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
+        settings = [live[n] for n in ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")] + [session]
+        race_settings = [racing[n] for n in ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")]
+        live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot, notice,
+                        step_plot, watch]
+        run.click(h.live, settings + [live_method], live_outputs, api_name="live", show_progress="hidden",
+                  **model_work, **raw)
+        watch.click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["tree"], racing["tree"]],
+                    api_visibility="private").then(h.live, settings + [live_method], live_outputs,
+                                                   show_progress="hidden", api_visibility="private", **model_work,
+                                                   **raw)
         # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
         stop.click(h.stop, None, None, api_name="stop", queue=False)
-        reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, budget_plot, step, history],
-                    api_name="reset")
+        reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, budget_plot, step, history,
+                                    notice, step_plot, watch], api_name="reset")
         step.input(h.view_step, [step, session], [answer, tree_plot, matrix_plot, budget_plot], api_name="step",
                    trigger_mode="always_last", show_progress="hidden", **raw)
         frame = [timer, step, answer, tree_plot, matrix_plot, budget_plot]
         play.click(h.play, [step, session], frame, api_visibility="private", show_progress="hidden")
         pause.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
         timer.tick(h.tick, [step, session], frame, api_visibility="private", show_progress="hidden")
-        race_run = race.click(h.race, settings + [race_methods], [race_status, lanes, table, race_plot, session, history],
-                              api_name="race", show_progress="hidden", **model_work, **raw)
+        race_run = race.click(h.race, race_settings + [session, race_methods],
+                              [race_status, lanes, table, race_plot, session, history, race_step], api_name="race",
+                              show_progress="hidden", **model_work, **raw)
         race_run.success(h.replay, [session], [race_status, lanes, race_plot], api_name="replay",
-                                       show_progress="hidden")
+                         show_progress="hidden")
         race_stop.click(h.stop, None, None, api_visibility="private", queue=False)
-        load.click(h.load_model, [model_id], [model_status], api_name="load_model", **model_work, **raw)
+        live["load"].click(h.load_model, [live["model_id"]], [live["model_status"]], api_name="load_model",
+                           show_progress="hidden", **model_work, **raw)
+        racing["load"].click(h.load_model, [racing["model_id"]], [racing["model_status"]], show_progress="hidden",
+                             api_visibility="private", **model_work, **raw)
         show_trace.click(h.trace, [session], [trace], api_name="trace")
     return demo
 
@@ -385,8 +500,7 @@ def launch(demo: gr.Blocks, queue_max_size: int = QUEUE_MAX_SIZE, **kwargs):
     kwargs.setdefault("server_port", int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     kwargs.setdefault("state_session_capacity", SESSIONS_KEPT)
     return demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
-        share=False, css=CSS, footer_links=["api"], **kwargs)
-
+        share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], **kwargs)
 
 def preload(models: ModelCache) -> None:
     """Load the default model so that the first Run only decodes. A failure is reported here and again, to the

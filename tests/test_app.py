@@ -26,8 +26,8 @@ from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
 from ui.inputs import InputError  # noqa: E402
 from ui import models as models_mod  # noqa: E402
 from ui.models import ModelCache  # noqa: E402
-from ui.render import (RaceRun, answer_html, counters_html, first_different_token, history_html,  # noqa: E402
-                       lanes_html, race_table_html, split_step)
+from ui.render import (Baseline, RaceRun, Spread, answer_html, counters_html, first_different_token,  # noqa: E402
+                       history_html, lanes_html, race_summary, race_table_html, race_verdict, split_step)
 from ui.run import Every, LiveRun, Race, tree_note  # noqa: E402
 from ui.session import Session, starting_matrix  # noqa: E402
 from ui.settings import Settings, tree_choices, tree_names  # noqa: E402
@@ -81,13 +81,31 @@ def test_the_answer_marks_multi_token_steps_and_escapes_text():
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d)"', outlined) == ["1"]
 
 
-def test_counters_measure_decoding_time():
+def test_the_answer_hides_special_tokens_and_the_events_keep_them():
+    events = [hand_event(), single_event(1, 2, "<|im_end|>", 4, 1.0)]
+    page = answer_html(events, hidden=("<|im_end|>", "<|im_start|>"))
+    assert visible_text(page) == " b\n e" and "im_end" not in page
+    assert events[1].new_tokens == [2] and events[1].new_text == "<|im_end|>"  # the event is untouched
+    assert "im_end" not in lanes_html({"tr": RaceRun("tr", events)}, None, hidden=("<|im_end|>",))
+
+
+def test_counters_measure_decoding_time_and_name_the_key_number_once():
     c = Rates(steps=4, tokens=10, seconds=2.0)
     assert (c.mean_accepted_tokens, c.tokens_per_s) == (2.5, 5.0)
     page = counters_html(c, "running")
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
-    assert values == {"steps": "4", "tokens": "10", "mean_accepted_tokens": "2.50", "tokens_per_s": "5.0"}
+    assert values == {"steps": "4", "tokens": "10", "tokens_per_pass": "2.50", "tokens_per_s": "5.0"}
+    assert "tokens per forward pass (bonus token included)" in page and "decoding steps (forward passes)" in page
+    assert "mean accepted" not in page
     assert Rates().tokens_per_s == 0.0
+
+
+def test_counters_show_plain_decodings_speed_beside_the_runs():
+    baseline = Baseline(20.0, 50.0, "measured on your prompt right after your run (24 tokens, in this session)")
+    page = counters_html(Rates(steps=4, tokens=10, seconds=2.0), "finished", baseline=baseline, speed=25.0)
+    values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
+    assert values["plain_tokens_per_s"] == "20.0" and values["speedup"] == "1.25"
+    assert "Plain decoding: 50.0 ms per token, measured on your prompt right after your run" in visible_text(page)
 
 
 def test_first_different_token():
@@ -96,32 +114,74 @@ def test_first_different_token():
     assert first_different_token([1, 2], [1, 2, 3]) == 2
 
 
-def race_runs() -> dict[str, RaceRun]:
-    """plain: 4 tokens in 4 steps over 2 s; tr: the same tokens in 2 steps over 1 s; pld: differs at token 2."""
-    plain = [single_event(i, t, f" w{t}", i + 1, 0.5 * (i + 1)) for i, t in enumerate([1, 2, 3, 4])]
-    tr = [hand_event(step=0, new_tokens=[1, 2], new_text=" w1 w2", total_tokens=2, total_steps=1, elapsed_s=0.5),
-          hand_event(step=1, new_tokens=[3, 4], new_text=" w3 w4", total_tokens=4, total_steps=2, elapsed_s=1.0)]
-    pld = [single_event(i, t, f" w{t}", i + 1, 0.5 * (i + 1)) for i, t in enumerate([1, 2, 9, 4])]
+def race_runs(plain_s: float = 0.5, tr_s: float = 0.5, tr_ms: float = 400.0) -> dict[str, RaceRun]:
+    """plain: 4 tokens in 4 steps of ``plain_s`` (100 ms each, so 4 tokens in 0.4 s of steps); tr: the same tokens in
+    2 steps of ``tr_s`` (each ``tr_ms``); pld: plain's timing, differs at token 2."""
+    def one(i, t, total, elapsed):
+        return hand_event(step=i, accepted_path=[0], bonus_token=t, new_tokens=[t], new_text=f" w{t}",
+                          total_tokens=total, total_steps=i + 1, elapsed_s=elapsed, forward_ms=90.0, overhead_ms=10.0)
+    plain = [one(i, t, i + 1, plain_s * (i + 1)) for i, t in enumerate([1, 2, 3, 4])]
+    tr = [hand_event(step=0, new_tokens=[1, 2], new_text=" w1 w2", total_tokens=2, total_steps=1, elapsed_s=tr_s,
+                     forward_ms=tr_ms, overhead_ms=0.0),
+          hand_event(step=1, new_tokens=[3, 4], new_text=" w3 w4", total_tokens=4, total_steps=2, elapsed_s=2 * tr_s,
+                     forward_ms=tr_ms, overhead_ms=0.0)]
+    pld = [one(i, t, i + 1, plain_s * (i + 1)) for i, t in enumerate([1, 2, 9, 4])]
     return {"plain": RaceRun("plain", plain), "pld": RaceRun("pld", pld), "tr": RaceRun("tr", tr)}
 
 
-def test_the_race_table_gives_speedups_and_shows_a_difference():
+def race_rounds(timings) -> dict[str, list[RaceRun]]:
+    """One race of several rounds, ``timings`` giving each round's ``race_runs`` arguments."""
+    rounds = [race_runs(*t) for t in timings]
+    return {m: [r[m] for r in rounds] for m in rounds[0]}
+
+
+def test_the_race_gives_each_methods_median_and_range_over_its_rounds():
+    # stubbed timings: plain takes 2.0 s every round; tr 0.9 s, 1.1 s, 0.8 s (its tokens/s 4.4, 3.6, 5.0)
+    rounds = race_rounds([(0.5, 0.45, 150.0), (0.5, 0.55, 160.0), (0.5, 0.4, 140.0)])
+    summary = race_summary(rounds)
+    tr = summary["tr"]
+    assert tr.rounds == 3 and tr.tokens_per_s == Spread(4.444444444444445, 3.6363636363636362, 5.0)
+    assert tr.speedup == Spread(2.2222222222222223, 1.8181818181818181, 2.5)
+    assert tr.tokens_per_pass == 2.0 and tr.pass_cost == pytest.approx(1.5) and tr.steps == 2 and tr.identical
+    assert summary["plain"].speedup == Spread(1.0, 1.0, 1.0) and summary["plain"].pass_cost == 1.0
+    assert not summary["pld"].identical
     decode = lambda ids: "".join(f" w{i}" for i in ids)  # noqa: E731
-    page = race_table_html(race_runs(), decode, tree="small")
-    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"><td>[^<]*</td><td>([\d.]+)</td>'
-                      r"<td>([\d.]+)×</td><td>([\d.]+)</td>", page)
-    assert rows == [("plain", "true", "2.0", "1.00", "1.00"), ("pld", "false", "2.0", "1.00", "1.00"),
-                    ("tr", "true", "4.0", "2.00", "2.00")]
+    page = race_table_html(rounds, decode, tree="small")
+    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)" data-median="([\d.]+)" data-low="([\d.]+)" '
+                      r'data-high="([\d.]+)"><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td><td>([\d.]+)</td>'
+                      r"<td>([\d.]+)×</td>", page)
+    assert rows == [("plain", "true", "2.0", "2.0", "2.0", "2.0 (2.0–2.0)", "1.00× (1.00–1.00×)", "1.00", "1.00"),
+                    ("pld", "false", "2.0", "2.0", "2.0", "2.0 (2.0–2.0)", "1.00× (1.00–1.00×)", "1.00", "1.00"),
+                    ("tr", "true", "4.4", "3.6", "5.0", "4.4 (3.6–5.0)", "2.22× (1.82–2.50×)", "2.00", "1.50")]
+    assert "tokens/s: median of 3 (range)" in page and "tokens per forward pass (bonus token included)" in page
     diff = re.search(r'<div class="tr-diff" data-method="pld">(.*?)</div>', page).group(1)
     assert "at token 2" in diff and "<del> w3 w4</del><ins> w9 w4</ins>" in diff
+
+
+def test_the_race_verdict_says_why_token_recycling_won_or_lost():
+    won = race_summary(race_rounds([(0.5, 0.45, 150.0), (0.5, 0.55, 160.0), (0.5, 0.4, 140.0)]))
+    assert race_verdict(won) == ("Token Recycling ran at 2.22× plain decoding (median of 3 rounds, range "
+                                 "1.82–2.50×): each forward pass added 2.00 tokens (bonus token included) for 1.50× "
+                                 "the cost of a one-token pass.")
+    # each pass over the tree cost 4.5x a one-token pass: two tokens a pass do not pay for it
+    lost = race_summary(race_rounds([(0.5, 1.2, 450.0), (0.5, 1.1, 440.0), (0.5, 1.3, 460.0)]))
+    assert race_verdict(lost) == ("Token Recycling ran at 0.83× plain decoding (median of 3 rounds, range "
+                                  "0.77–0.91×): each forward pass added only 2.00 tokens (bonus token included) but "
+                                  "cost 4.50× a one-token pass.")
+    # without Token Recycling in the race: the fastest method raced, and a difference from plain is said
+    no_tr = {m: runs for m, runs in race_rounds([(0.5, 0.5, 400.0)]).items() if m != "tr"}
+    assert race_verdict(race_summary(no_tr)).startswith("Prompt Lookup Decoding ran at 1.00× plain decoding (median "
+                                                        "of 1 round, range 1.00–1.00×)")
+    assert race_verdict(race_summary(no_tr)).endswith("; its output differed from plain decoding's (see below the "
+                                                      "table).")
 
 
 def test_race_lanes_show_what_each_run_had_at_a_moment():
     runs = race_runs()
     at = lanes_html(runs, 0.6)
     lanes = dict(re.findall(r'data-method="(\w+)">.*?<div class="tr-lane-foot">([^<]*)</div>', at))
-    assert lanes == {"plain": "1 tokens in 1 steps, 0.6 s", "pld": "1 tokens in 1 steps, 0.6 s",
-                     "tr": "2 tokens in 1 steps, 0.6 s"}
+    assert lanes == {"plain": "1 tokens in 1 decoding steps, 0.6 s", "pld": "1 tokens in 1 decoding steps, 0.6 s",
+                     "tr": "2 tokens in 1 decoding steps, 0.6 s"}
     assert "done, 4.0 tokens/s" in lanes_html(runs, 1.2)
     assert "waiting to be measured" in lanes_html({"plain": runs["plain"], "tr": None}, None)
 
@@ -298,7 +358,12 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
         counts.append(len(snap.events))  # the run's own list grows: count it as it comes
     assert [s.done for s in snaps] == [False] * (len(snaps) - 1) + [True] and not snaps[-1].stopped
     events = snaps[-1].events
-    assert counts == list(range(1, len(events) + 1))  # one snapshot per step
+    # one snapshot per step, then one while plain decoding is measured for comparison
+    assert counts == list(range(1, len(events) + 1)) + [len(events)] and snaps[-2].measuring_baseline
+    baseline = snaps[-1].baseline
+    assert baseline.tokens_per_s > 0 and baseline.ms_per_token > 0 and session.live.baseline is baseline
+    assert baseline.source == "measured on your prompt right after your run (12 tokens, in this session)"
+    assert not snaps[-1].drafted_nothing  # the small tree drafts
     assert snaps[-1].rates.tokens == 12 == sum(len(e.new_tokens) for e in events)
     assert snaps[-1].rates.steps == len(events) and snaps[-1].rates.seconds > 0
     assert session.live.events is events and session.live.tree == "small"
@@ -319,15 +384,36 @@ def test_stop_ends_a_live_run_after_the_step_in_progress(tiny_models):
         snaps.append(snap)
         if len(snaps) == 3:
             run.stop()
-    assert len(snaps) == 4 and snaps[-1].done and snaps[-1].stopped
+    assert len(snaps) == 4 and snaps[-1].done and snaps[-1].stopped and snaps[-1].baseline is None
     assert len(snaps[-1].events) == 3 and snaps[-1].rates.tokens < 64
     assert [h["what"] for h in session.history] == ["live (stopped)"] and len(session.live.events) == 3
 
 
-def test_a_live_run_refuses_a_tree_that_needs_a_larger_k(tiny_models):
+def test_a_live_run_refuses_a_tree_that_needs_a_larger_k_in_the_controls_words(tiny_models):
     run = LiveRun(Session(), tiny_models, settings(tree="paper", top_k=4))
-    with pytest.raises(InputError, match="needs top_k >= 8"):
+    with pytest.raises(InputError) as refused:
         run.prepare()
+    assert str(refused.value) == ("The paper tree drafts a row's 8 likeliest candidates, so 'k: candidates per row' "
+                                  "must be at least 8; it is 4. Raise k, or pick a smaller tree.")
+
+
+def test_plain_decoding_is_its_own_baseline_and_an_empty_auto_tree_says_it_drafted_nothing(tiny_models):
+    session = Session()
+    run = LiveRun(session, tiny_models, settings(method="plain"))
+    run.prepare()
+    final = list(run.snapshots())[-1]
+    assert final.baseline.source == "this run itself is plain decoding" and not final.drafted_nothing
+    assert "<|im_start|>" in run.hidden and "<|im_end|>" in run.hidden  # the special tokens the page hides
+    empty = [hand_event(tree_tokens=[10], tree_parents=[-1], tree_ranks=[0], tree_text=["a"], predicted=[11],
+                        accepted_path=[0], bonus_token=11, new_tokens=[11], new_text=" b")]
+    auto = LiveRun(session, tiny_models, settings(tree="auto"))
+    auto.record = SimpleNamespace(events=empty)
+    assert auto.drafted_nothing
+    auto.record = SimpleNamespace(events=empty + [hand_event()])  # one step drafted: the tree paid at times
+    assert not auto.drafted_nothing
+    small = LiveRun(session, tiny_models, settings(tree="small"))
+    small.record = SimpleNamespace(events=empty)
+    assert not small.drafted_nothing  # a tree the user picked: nothing to say
 
 
 def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
@@ -339,11 +425,21 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     race = Race(session, tiny_models, settings())
     race.prepare()
     progress = list(race.progress())
-    assert [p.status.split(" (")[0].split(":")[0] for p in progress] == [
-        "Warming up", "Measuring 1 of 3", "Measuring 2 of 3", "Measuring 3 of 3",
-        "Measured. Replaying side by side at the measured speed…"]
+    # three rounds, interleaved, each in an order rotated by one
+    assert [p.status.split(" (")[0].split(", alone")[0] for p in progress] == [
+        "Warming up", "Round 1 of 3, run 1 of 9: plain greedy decoding", "Round 1 of 3, run 2 of 9: Prompt Lookup "
+        "Decoding", "Round 1 of 3, run 3 of 9: Token Recycling", "Round 2 of 3, run 4 of 9: Prompt Lookup Decoding",
+        "Round 2 of 3, run 5 of 9: Token Recycling", "Round 2 of 3, run 6 of 9: plain greedy decoding",
+        "Round 3 of 3, run 7 of 9: Token Recycling", "Round 3 of 3, run 8 of 9: plain greedy decoding",
+        "Round 3 of 3, run 9 of 9: Prompt Lookup Decoding", "Measured."]
     assert progress[-1].done and list(session.race.runs) == ["plain", "pld", "tr"]
-    assert all(len(run.token_ids) == 12 for run in session.race.runs.values())
+    assert {m: len(runs) for m, runs in session.race.rounds.items()} == {"plain": 3, "pld": 3, "tr": 3}
+    assert all(session.race.runs[m] in session.race.rounds[m] for m in ("plain", "pld", "tr"))  # the median round
+    # every round of a matrix method starts from the same matrix: the rounds repeat the same work
+    assert all(run.token_ids == session.race.rounds["plain"][0].token_ids and len(run.token_ids) == 12
+               for runs in session.race.rounds.values() for run in runs)
+    tr_rounds = session.race.rounds["tr"]
+    assert [e.accepted_path for e in tr_rounds[0].events] == [e.accepted_path for e in tr_rounds[2].events]
     assert torch.equal(session.matrix.rows, taught), "measuring does not teach the session's matrix"
     assert [h["what"] for h in session.history] == ["live", "race: plain", "race: pld", "race: tr"]
     assert session.trace()["race"]["runs"]["tr"][0]["method"] == "tr"
@@ -384,7 +480,7 @@ def test_stop_ends_a_race_without_a_record(tiny_models):
     seen = []
     for p in race.progress():
         seen.append(p)
-        if p.status.startswith("Measuring 2"):
+        if p.status.startswith("Round 1 of 3, run 2"):
             race.stop()
     assert seen[-1].status == "Stopped." and seen[-1].stopped and session.race is None and not session.history
 
@@ -449,21 +545,24 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     trees = [u[2] for u in updates if isinstance(u[2], dict) and u[2].get("type") == "plotly"]
     assert trees and all(node_markers(t) == 13 + 1 for t in trees)  # the small tree's 13 nodes and the bonus
     assert "<td>live</td>" in final[5]
+    values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', final[1]))
+    assert float(values["plain_tokens_per_s"]) > 0 and "Plain decoding: " in final[1]  # measured beside the run
+    assert final[8]["type"] == "plotly"  # each decoding step against plain decoding's ms per token
 
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
-    assert json.loads(shown[1]["plot"])["layout"]["title"]["text"].startswith("step 0 (tr, tree small)")
+    assert re.match(r"(?i)(decoding )?step 0 \(tr, tree small\)", json.loads(shown[1]["plot"])["layout"]["title"]["text"])
 
 
 def test_the_auto_tree_shows_its_budget_at_every_step(client):
     final = client.predict(PROMPT, 12, "auto", 8, True, "", api_name="/live")
     assert "sizes each step's tree by the step times it measures" in visible_text(final[1])
-    title = json.loads(final[-1]["plot"])["layout"]["title"]["text"]
+    title = json.loads(final[6]["plot"])["layout"]["title"]["text"]
     assert re.match(r"step \d+: \d+ draft nodes", title), title
     shown = client.predict(0, api_name="/step")  # any step of the run: its own budget
     assert json.loads(shown[3]["plot"])["layout"]["title"]["text"].startswith("step 0: ")
     small = client.predict(PROMPT, 8, "small", 8, True, "", api_name="/live")  # a fixed tree has no budget
-    assert "auto tree" in json.loads(small[-1]["plot"])["layout"]["annotations"][0]["text"]
+    assert "auto tree" in json.loads(small[6]["plot"])["layout"]["annotations"][0]["text"]
 
 
 def test_fast_mode_decodes_on_its_own_copy_in_the_format_measured_fastest(client, app_models):
@@ -485,24 +584,29 @@ def test_sessions_do_not_share_runs(client, served):
     answer = other.predict(0, api_name="/step")[0]
     assert not isinstance(answer, str), "a new session has no run to show"
     reset = client.predict(api_name="/reset")
-    assert "No runs yet" in reset[-1]
+    assert "No runs yet" in reset[6]
 
 
-def test_the_race_measures_three_methods_and_checks_each_against_plain(client):
-    status, _, table, _, history = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact", ["pld", "tr"],
-                                                  api_name="/race")
-    assert status.startswith("Measured")
-    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"><td>[^<]*</td><td>([\d.]+)</td>'
-                      r"<td>([\d.]+)×</td>", table)
-    assert [r[0] for r in rows] == ["plain", "pld", "tr"] and rows[0][3] == "1.00"
-    for method, identical, tokens_per_s, speedup in rows:
-        assert float(tokens_per_s) > 0
+def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain(client):
+    status, _, table, _, history, steps = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact",
+                                                         ["pld", "tr"], api_name="/race")
+    verdict = re.match(r"Token Recycling ran at [\d.]+× plain decoding \(median of 3 rounds, range [\d.]+–[\d.]+×\): "
+                       r"each forward pass added (only )?[\d.]+ tokens \(bonus token included\) (for|but cost) [\d.]+×",
+                       status)
+    assert verdict, status
+    rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)" data-median="([\d.]+)" data-low="([\d.]+)" '
+                      r'data-high="([\d.]+)"><td>[^<]*</td><td>[^<]*</td><td>([\d.]+)×', table)
+    assert [r[0] for r in rows] == ["plain", "pld", "tr"] and rows[0][5] == "1.00"
+    for method, identical, median, low, high, speedup in rows:
+        assert 0 < float(low) <= float(median) <= float(high)
         assert identical == "true", f"{method}'s output differs from plain decoding"  # as /live shows for it
     assert "tr-diff" not in table
-    assert history.count("<td>race: ") == 3
+    assert history.count("<td>race: ") == 3 and steps["type"] == "plotly"
     status, lanes, plot = client.predict(api_name="/replay")  # the side-by-side replay of those runs
-    assert status.startswith("Done") and lanes.count("— done,") == 3
-    assert [t["name"].split(":")[0] for t in json.loads(plot["plot"])["data"]] == ["plain", "pld", "tr"]
+    assert status.startswith("Token Recycling ran at") and lanes.count("— done,") == 3
+    names = [t["name"] for t in json.loads(plot["plot"])["data"]]
+    assert [n.split(":")[0] for n in names] == ["plain", "pld", "tr"]
+    assert all(re.search(r": [\d.]+ \([\d.]+–[\d.]+\) tok/s$", n) for n in names), names  # median (range)
 
 
 def test_stop_ends_the_run_after_its_current_step(client):
@@ -521,10 +625,35 @@ def test_stop_ends_the_run_after_its_current_step(client):
 def test_a_model_that_cannot_load_leaves_the_app_usable(client):
     with pytest.raises(Exception, match="could not load model id 'no-such-org/no-such-model'"):
         client.predict("no-such-org/no-such-model", api_name="/load_model")
+    # a model page's web address is read as its hub id
+    with pytest.raises(Exception, match="could not load model id 'no-such-org/no-such-model'"):
+        client.predict("https://huggingface.co/no-such-org/no-such-model", api_name="/load_model")
     with pytest.raises(Exception, match="could not load model id"):
         client.predict(PROMPT, 8, "small", 8, True, "no-such-org/no-such-model", api_name="/live")
     final = client.predict(PROMPT, 8, "small", 8, True, "", api_name="/live")
     assert 'data-key="tokens" data-value="8"' in final[1]
+
+
+def test_a_refused_request_shows_its_message_in_the_page_and_errs_for_the_api():
+    def failing():
+        yield "first"
+        raise InputError("Type a prompt first: the box is empty. Or pick a Spec-Bench question below it.")
+
+    stream = app._shown_errors(failing(), lambda message: f"shown: {message}")
+    assert next(stream) == "first"
+    assert next(stream) == "shown: Type a prompt first: the box is empty. Or pick a Spec-Bench question below it."
+    with pytest.raises(app.gr.Error) as error:
+        next(stream)
+    assert error.value.message.startswith("Type a prompt first") and not error.value.visible  # no toast over the page
+
+
+def test_answers_do_not_show_special_tokens(client, app_models):
+    prompt = "What is 2+2? Answer with a number only."  # "2 + 2 = 4<|im_end|>"
+    final = client.predict(prompt, 16, "small", 8, True, "", api_name="/live")
+    assert "finished: the model ended its answer" in final[1]  # its last token is <|im_end|>
+    assert "im_end" not in final[0] and "im_start" not in final[0]
+    plain = app_models.get("").generate(prompt, 16, method="plain")
+    assert visible_text(final[0]) == app_models.get("").tokenizer.decode(plain.token_ids, skip_special_tokens=True)
 
 
 # A local model folder loads where the app allows it: tests/test_app_many_users.py

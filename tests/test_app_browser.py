@@ -51,6 +51,12 @@ def shots(tmp_path) -> Path:
     return folder
 
 
+def pick(page, dropdown: str, option: str) -> None:
+    """Choose the option whose label starts with ``option`` in the dropdown ``dropdown`` (an element id)."""
+    page.locator(f"{dropdown} input").click()
+    page.get_by_role("option", name=re.compile("^" + re.escape(option))).click()
+
+
 def tree_size(status: str) -> int:
     """The run's tree from the status line, ``"... tree auto: 12 draft nodes ..."`` -> 13 nodes with the root."""
     return int(re.search(r"(\d+) draft nodes", status).group(1)) + 1
@@ -79,6 +85,7 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.get_by_role("option", name=re.compile(r"^qa: ")).click()
     wait_for(page, "q => document.querySelector('#prompt textarea').value === q", 10, qa)
     page.locator("#prompt textarea").fill(PROMPT)
+    pick(page, "#tree", "small:")  # a fixed tree: every step draws the same nodes (auto resizes its tree)
     tokens_box = page.locator("#max-new input[type=number]")
     tokens_box.fill(str(NEW_TOKENS))
     tokens_box.press("Enter")
@@ -92,7 +99,7 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.wait_for_selector("#answer .tr-step", timeout=60_000)
     print(f"first streamed token {time.perf_counter() - clicked:.2f} s after the click")
     page.screenshot(path=shots / "02_streaming.png")
-    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished')", 120)
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120)
     steps = page.locator("#answer .tr-step").count()
     status = page.locator("#counters .tr-status").inner_text()
     print(f"status: {status}")
@@ -108,10 +115,12 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     assert float(counters["tokens_per_s"]) > 0
     # the drawn tree of the last step (plotly draws after the text arrives): every node of the template plus the
     # bonus token
-    wait_for(page, "t => (document.querySelector('#tree-plot .gtitle')?.textContent || '').startsWith(t)", 10,
-             f"step {steps - 1} (tr, tree ")
-    assert page.locator("#tree-plot .scatterlayer path.point").count() == nodes + 1
+    wait_for(page, "t => (document.querySelector('#tree-plot .gtitle')?.textContent || '').toLowerCase()"
+                   ".includes(t)", 10, f"step {steps - 1} (tr, tree ")
+    drawn = page.locator("#tree-plot .scatterlayer path.point").count()
+    assert drawn >= nodes + 1, (drawn, nodes)  # legend keys may add points of their own
     assert page.locator("#matrix-plot .js-plotly-plot").count() == 1
+    assert page.locator("#step-plot .js-plotly-plot").count() == 1  # each decoding step against plain decoding
     page.screenshot(path=shots / "03_finished.png", full_page=True)
 
     # The step slider scrubs back: step 1's tree, and step 1 outlined in the answer
@@ -119,27 +128,38 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     slider.focus()
     page.keyboard.press("Home")
     page.keyboard.press("ArrowRight")
-    wait_for(page, "() => (document.querySelector('#tree-plot .gtitle')?.textContent || '').startsWith('step 1 ')", 15)
+    wait_for(page, "() => /^(decoding )?step 1 /i.test(document.querySelector('#tree-plot .gtitle')?.textContent "
+                   "|| '')", 15)
     assert page.locator("#answer .tr-current").get_attribute("data-step") == "1"
-    assert page.locator("#tree-plot .scatterlayer path.point").count() == nodes + 1
+    assert page.locator("#tree-plot .scatterlayer path.point").count() == drawn
     page.screenshot(path=shots / "04_step_1.png", full_page=True)
 
     # Play walks forward on its own; Pause stops it
     page.click("#play")
-    wait_for(page, "() => /^step [2-9]/.test(document.querySelector('#tree-plot .gtitle')?.textContent || '')", 15)
+    wait_for(page, "() => /^(decoding )?step [2-9]/i.test(document.querySelector('#tree-plot .gtitle')?.textContent "
+                   "|| '')", 15)
     page.click("#pause")
 
-    # The race: three measured runs, replayed, then the table and the chart
+    # The race: every method measured in three rounds, the median rounds replayed, then the verdict, the table (the
+    # median and range of each method) and the chart. The race's settings are the Live tab's.
     page.get_by_role("tab", name=re.compile("^Race")).click()
-    tokens_box.fill(str(RACE_TOKENS))
-    tokens_box.press("Enter")
+    wait_for(page, "p => document.querySelector('#race-prompt textarea')?.value === p", 10, PROMPT)
+    race_tokens = page.locator("#race-max-new input[type=number]")
+    race_tokens.fill(str(RACE_TOKENS))
+    race_tokens.press("Enter")
     page.click("#race-run")
-    page.wait_for_selector("#race-status :text('Replaying')", timeout=180_000)
+    page.wait_for_selector("#race-status :text('Replaying')", timeout=300_000)
     page.screenshot(path=shots / "05_race_replay.png", full_page=True)
-    page.wait_for_selector("#race-status :text('Done')", timeout=120_000)
+    wait_for(page, "() => { const t = document.querySelector('#race-status').textContent; "
+                   "return t.includes('plain decoding (median of 3 rounds') && !t.includes('Replaying'); }", 120)
+    print("verdict: " + page.locator("#race-status").inner_text())
     rows = page.locator("#race-table tr[data-method]")
     raced = ["plain", "pld", "tr", "tr-context"]  # the default: plain, the baseline, the paper, the best beyond it
     assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == raced
+    spreads = rows.evaluate_all("els => els.map(e => e.cells[1].textContent)")
+    assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d–\d+\.\d\)", s) for s in spreads), spreads  # median (range)
+    legend = page.locator("#race-plot .legendtext").evaluate_all("els => els.map(e => e.textContent)")
+    assert len(legend) == 4 and all(re.search(r"\(\d+\.\d–\d+\.\d\) tok/s$", t) for t in legend), legend
     for method, identical in zip(raced, rows.evaluate_all("els => els.map(e => e.dataset.identical)")):
         assert identical == "true" or page.locator(f"#race-table .tr-diff[data-method={method}]").count() == 1
     assert page.locator("#lanes .tr-lane").count() == 4
@@ -167,25 +187,46 @@ def test_a_refused_prompt_gets_a_clear_message_and_the_next_run_works(browser, s
 
     page.locator("#prompt textarea").fill("   \n  ")
     page.click("#run")
-    toast = page.locator("[data-testid=toast-text]").first
-    toast.wait_for(timeout=30_000)
-    message = toast.inner_text()
+    notice = page.locator("#notice .tr-notice")
+    notice.wait_for(timeout=30_000)
+    message = notice.inner_text()
     print(f"the message: {message!r}")
-    assert "The prompt is empty (only spaces or control characters): type a prompt first, or pick an example." \
-        in message
+    assert message == ("Type a prompt first: the box holds only spaces or invisible characters. Or pick a Spec-Bench "
+                       "question below it.")
     assert "Traceback" not in page.content()
-    box = toast.bounding_box()
-    print(f"the message's box: {box}")
-    page.wait_for_timeout(1000)  # the message slides in
+    page.wait_for_timeout(1000)
+    # in plain sight, in the page: no toast over it (and its status tracker, with the error badge, is hidden)
+    assert page.locator("[data-testid=toast-text]").count() == 0
     page.screenshot(path=shots / "07_refused_prompt.png")
+    page.locator("#notice").screenshot(path=shots / "07_refused_prompt_message.png")
 
     # the same tab runs the next, good prompt
     page.locator("#prompt textarea").fill("Name three colours.")
     page.click("#run")
-    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished')", 120)
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120)
     page.screenshot(path=shots / "08_next_run.png")
     outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob") and urlparse(u).hostname
                not in LOCAL_HOSTS]
     assert not outside, f"requests left 127.0.0.1: {outside}"
     assert not errors, f"page errors: {errors}"
+    page.close()
+
+
+def test_the_tabs_are_in_sight_on_a_phone(browser, served, shots):  # noqa: F811
+    page = browser.new_page(viewport={"width": 390, "height": 844})
+    page.goto(served)
+    page.wait_for_selector("#run")
+    page.wait_for_timeout(1000)
+    tabs = page.get_by_role("tab")
+    assert tabs.all_inner_texts() == ["Live", "Race", "How it works"]
+    for tab in tabs.all():
+        box = tab.bounding_box()
+        assert tab.is_visible() and box["x"] + box["width"] <= 390 and box["y"] + box["height"] <= 844, box
+    assert not page.get_by_role("button", name="More tabs").is_visible()  # no "⋯" menu hiding a tab
+    assert page.locator("#prompt").bounding_box()["y"] < 844  # the settings live inside the tab, the prompt in sight
+    page.screenshot(path=shots / "09_phone.png")
+    page.get_by_role("tab", name="Race").click()
+    page.wait_for_selector("#race-run")
+    assert page.locator("#race-prompt").is_visible()  # the race's own settings, in its tab
+    page.screenshot(path=shots / "10_phone_race.png", full_page=True)
     page.close()

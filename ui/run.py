@@ -7,10 +7,11 @@
     run.stop()                          # from another request: the run ends after its current step
 
 A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
-``session.history``. A ``Race`` measures plain decoding and the methods the user picked (by default Prompt Lookup,
-Token Recycling and the best extension beyond the paper) one after another, each matrix method on its own copy of
-that matrix, and leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no
-model.
+``session.history``; a finished run then measures plain decoding on the same prompt (a short run), so that the page
+shows plain's speed on this machine beside the run's. A ``Race`` measures plain decoding and the methods the user
+picked (by default Prompt Lookup, Token Recycling and the best extension beyond the paper) in rounds: each round runs
+every method once, one after another, in an order rotated per round, each matrix method from a fresh copy of that
+matrix; it leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no model.
 """
 
 from __future__ import annotations
@@ -19,18 +20,25 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from tr_core.engine import AUTO, Engine
+from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.kernels import mode_dtype
 from tr_core.methods import METHODS
+from tr_core.tree import load_template
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
-from .render import RaceRun, method_label
+from .render import Baseline, RaceRun, decoding_speed, median_run, method_label, ms_per_step
 from .session import LiveRecord, RaceRecord, Session
 from .settings import DEFAULT_RACE, Settings
 
 RACE_METHODS = ("plain",) + DEFAULT_RACE  # the race's lanes before the user picks
+# Each method runs this many times in a race, interleaved: on a shared CPU one run's speed drifts by up to 2x within
+# minutes, so the page gives the median and the range
+RACE_ROUNDS = 3
+# The plain run measured after a live run, for its baseline: its first this-many tokens (the speed of a decoding step
+# barely changes over a few dozen tokens of context)
+BASELINE_TOKENS = 32
 
 
 def tree_for(method: str, tree: str) -> str:
@@ -43,7 +51,7 @@ def tree_note(engine: Engine, requested: str) -> str:
     """What tree a run drafts with, e.g. ``"tree auto: starts at 9 draft nodes fitted to this machine (predicted 1.3×
     over plain decoding, per step over a 256-token context), then sizes each step's tree by the step times it
     measures (...)"``."""
-    nodes = f"{engine.tree.size - 1} draft nodes"
+    nodes = f"{engine.tree.size - 1} draft node{'s' * (engine.tree.size != 2)}"
     if requested != AUTO:
         return f"tree {requested}: {nodes}"
     fitted = engine.fitted
@@ -90,6 +98,9 @@ class Snapshot:
     note: str  # what the run drafts with: the prompt's cut, the mode, the tree, the matrix
     done: bool = False
     stopped: bool = False
+    measuring_baseline: bool = False  # the run is over; plain decoding is being measured for comparison
+    baseline: Baseline | None = None
+    drafted_nothing: bool = False  # the auto tree stayed empty at every step: the run was plain decoding
 
 
 class Stoppable:
@@ -125,8 +136,19 @@ class _ModelRun(Stoppable):
         self.about_setup = (f"mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, tree)}; "
                             f"adjacency matrix: {self.about_matrix}")
 
+    @property
+    def hidden(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens (``"<|im_end|>"``, ...): the page does not show their text."""
+        return tuple(self.base.tokenizer.all_special_tokens)
+
     def _configured(self, method: str, tree: str) -> Engine:
         """The engine ``method`` runs on, on the loaded model; ``InputError`` where the settings do not fit it."""
+        if tree != AUTO:
+            rank = load_template(tree, TREE_DIRS).max_rank + 1
+            if rank > self.settings.top_k:
+                raise InputError(f"The {tree} tree drafts a row's {rank} likeliest candidates, so 'k: candidates per "
+                                 f"row' must be at least {rank}; it is {self.settings.top_k}. Raise k, or pick a "
+                                 "smaller tree.")
         try:
             engine = self.base.with_config(method=method, tree=tree, top_k=self.settings.top_k)
             engine.drafter(method)  # a method that cannot run with these settings says why, before any decoding
@@ -150,7 +172,7 @@ class LiveRun(_ModelRun):
         ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
         s = self.settings
         teaches = s.hot_start and METHODS[s.method].uses_matrix  # plain, pld and suffix leave the matrix as it was
-        self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches)
+        self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden)
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method)
         while not self.stopped:
@@ -171,7 +193,33 @@ class LiveRun(_ModelRun):
         if events:
             what = ("live" if s.method == "tr" else f"live: {s.method}") + (" (stopped)" if self.stopped else "")
             self.session.record(what, tree_for(s.method, s.tree), s.top_k, self.start, rates)
-        yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped)
+        if events and not self.stopped:
+            yield Snapshot(events, rates, self.note, measuring_baseline=True)
+            self.record.baseline = self.baseline(events)
+        yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
+                       drafted_nothing=self.drafted_nothing)
+
+    @property
+    def drafted_nothing(self) -> bool:
+        """Whether a matrix method on the auto tree drafted nothing at any step: the tree fitted to this machine was
+        empty (verifying drafts would cost more than they save), so the run was plain decoding."""
+        s, events = self.settings, self.record.events if self.record else []
+        return (bool(events) and METHODS[s.method].uses_matrix and tree_for(s.method, s.tree) == AUTO
+                and all(len(e.tree_tokens) == 1 for e in events))
+
+    def baseline(self, events: list[StepEvent]) -> Baseline | None:
+        """Plain decoding's speed on this machine: the run itself if it was plain decoding, else a short plain run
+        of the same prompt, measured now (unless Stop came first)."""
+        if self.settings.method == "plain":
+            return Baseline(decoding_speed(events), ms_per_step(events), "this run itself is plain decoding")
+        n = min(BASELINE_TOKENS, sum(len(e.new_tokens) for e in events))
+        plain = []
+        for event in self.engine.stream(self.ids, n, method="plain"):
+            plain.append(event)
+            if self.stopped:
+                return None
+        return Baseline(decoding_speed(plain), ms_per_step(plain),
+                        f"measured on your prompt right after your run ({len(plain)} tokens, in this session)")
 
     def _name_tokens(self, event: StepEvent) -> None:
         """Add the text of the tokens this step names that the record has not named yet (outside the timed
@@ -188,20 +236,39 @@ class LiveRun(_ModelRun):
 
 @dataclass(frozen=True)
 class RaceProgress:
-    """Where a race stands: a status line and each method's measured run so far (``None``: not yet)."""
+    """Where a race stands: a status line and each method's latest measured run (``None``: not yet); once done,
+    every method's runs of every round (``rounds``) and ``runs`` its median round's."""
 
     status: str
     runs: dict[str, RaceRun | None]
     done: bool = False
     stopped: bool = False
+    rounds: dict[str, list[RaceRun]] | None = None
+
+
+def round_order(methods: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The order the methods run in, in round ``round_index`` (from 0): rotated by one each round, so that no method
+    is always first on a cold CPU, or always after the same one.
+
+    >>> [round_order(("plain", "pld", "tr"), r) for r in range(3)]
+    [('plain', 'pld', 'tr'), ('pld', 'tr', 'plain'), ('tr', 'plain', 'pld')]
+    """
+    shift = round_index % len(methods)
+    return methods[shift:] + methods[:shift]
 
 
 class Race(_ModelRun):
-    """Plain decoding and the picked methods measured one after another, each alone on the CPU, each matrix method
-    on its own copy of the session's matrix (measuring does not teach it, and no method starts from what another
-    taught); the record goes to ``session.race``."""
+    """Plain decoding and the picked methods measured in ``rounds`` rounds: each round runs every method once, one
+    after another (``round_order``), each alone on the CPU. Every run of a matrix method starts from its own fresh
+    copy of the session's matrix: measuring does not teach it, no method starts from what another taught, and no
+    round from what an earlier round taught. What does carry over is what the engine learns about sizing trees on
+    this machine (measured step times), as between live runs. The record goes to ``session.race``."""
 
     keep_matrix = False
+
+    def __init__(self, session: Session, models: ModelCache, settings: Settings, rounds: int = RACE_ROUNDS):
+        super().__init__(session, models, settings)
+        self.rounds = rounds
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -214,28 +281,38 @@ class Race(_ModelRun):
                         for m in self.methods}
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(token_ids)
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _engine(self, method: str) -> Engine:
+        """``method``'s engine for one run: a matrix method's on a fresh copy of the race's matrix."""
+        engine = self.engines[method]
+        return engine.with_matrix(self.matrix.clone()) if METHODS[method].uses_matrix else engine
 
     def progress(self) -> Iterator[RaceProgress]:
-        s, runs = self.settings, dict.fromkeys(self.methods)
+        s, latest = self.settings, dict.fromkeys(self.methods)
+        rounds: dict[str, list[RaceRun]] = {m: [] for m in self.methods}
         about_prompt = f" ({self.about_prompt})" if self.about_prompt else ""
         self.session.race = None  # the replay never shows an older race as this one
-        yield RaceProgress(f"Warming up (one token, not measured){about_prompt}…", runs)
+        yield RaceProgress(f"Warming up (one token, not measured){about_prompt}…", latest)
         self.engine.generate(self.ids, 1, method="plain")
-        for i, method in enumerate(self.methods, 1):
-            yield RaceProgress(f"Measuring {i} of {len(self.methods)}: {method_label(method)}, alone on the CPU"
-                               f"{about_prompt}…", runs)
-            events = []
-            for event in self.engines[method].stream(self.ids, s.max_new_tokens, method=method):
-                events.append(event)  # nothing else between steps: the run's clock measures decoding alone
-                if self.stopped:
-                    yield RaceProgress("Stopped.", runs, done=True, stopped=True)
-                    return
-            runs[method] = RaceRun(method, events)
+        total, done = self.rounds * len(self.methods), 0
+        for r in range(self.rounds):
+            for method in round_order(self.methods, r):
+                done += 1
+                yield RaceProgress(f"Round {r + 1} of {self.rounds}, run {done} of {total}: "
+                                   f"{method_label(method)}, alone on the CPU{about_prompt}…", latest)
+                events = []
+                for event in self._engine(method).stream(self.ids, s.max_new_tokens, method=method):
+                    events.append(event)  # nothing else between steps: the run's clock measures decoding alone
+                    if self.stopped:
+                        yield RaceProgress("Stopped.", latest, done=True, stopped=True)
+                        return
+                rounds[method].append(RaceRun(method, events))
+                latest[method] = rounds[method][-1]
+        runs = {m: median_run(rounds[m]) for m in self.methods}
         for method, run in runs.items():
             tr = METHODS[method].uses_matrix
             self.session.record(f"race: {method}", tree_for(method, s.tree) if tr else "-", s.top_k if tr else "-",
                                 self.start if tr else "-", run.rates)
-        self.session.race = RaceRecord(runs, s.tree, self.about_setup)
-        yield RaceProgress(f"Measured{about_prompt}. Replaying side by side at the measured speed…", runs,
-                           done=True)
+        self.session.race = RaceRecord(runs, s.tree, self.about_setup, rounds, self.hidden)
+        yield RaceProgress(f"Measured{about_prompt}.", runs, done=True, rounds=rounds)

@@ -16,7 +16,7 @@ from tr_core.engine import Engine
 from tr_core.events import Rates, StepEvent
 from tr_core.matrix import AdjacencyMatrix
 
-from .render import RaceRun
+from .render import TOKENS_PER_PASS, Baseline, RaceRun
 
 
 def starting_matrix(engine: Engine, hot_start: bool, folder: Path = HOT_START_DIR) -> tuple[AdjacencyMatrix, str]:
@@ -48,6 +48,8 @@ class LiveRecord:
     tree: str
     events: list[StepEvent]
     names: dict[int, str]
+    hidden: tuple[str, ...] = ()  # the tokenizer's special tokens, not shown in the answer
+    baseline: Baseline | None = None  # plain decoding's speed, measured beside the run
 
     def token_text(self, token: int) -> str:
         return self.names.get(token, f"#{token}")
@@ -55,11 +57,14 @@ class LiveRecord:
 
 @dataclass
 class RaceRecord:
-    """A measured race: each method's run (``{method: RaceRun}``), for the replay and ``/trace``."""
+    """A measured race: each method's run of every round (``rounds``, in round order) and its median round's run
+    (``runs``, for the replay and ``/trace``)."""
 
     runs: dict[str, RaceRun]
     tree: str
     note: str  # what Token Recycling ran with: mode, tree, matrix
+    rounds: dict[str, list[RaceRun]] = field(default_factory=dict)
+    hidden: tuple[str, ...] = ()  # the tokenizer's special tokens, not shown in the lanes
 
 
 @dataclass
@@ -96,10 +101,11 @@ class Session:
         shipped = "shipped" if self.matrix_origin.startswith("hot") else "empty"
         return f"{shipped} + {self.runs_on_matrix} runs" if self.runs_on_matrix else shipped
 
-    def begin_live(self, model_id: str, mode: str, tree: str, hot_start: bool) -> LiveRecord:
+    def begin_live(self, model_id: str, mode: str, tree: str, hot_start: bool, hidden: tuple[str, ...] = ()
+                   ) -> LiveRecord:
         """A live run starts: its record replaces the latest one and fills as it decodes; a run on the hot-started
         matrix counts as one that taught it."""
-        self.live = LiveRecord(model_id, mode, tree, [], {})
+        self.live = LiveRecord(model_id, mode, tree, [], {}, hidden)
         if hot_start:
             self.runs_on_matrix += 1
         return self.live
@@ -110,13 +116,13 @@ class Session:
         live, race = self.live, self.race
         return dict(live=dict(tree=live.tree if live else "", model=(live.model_id if live else "") or "embedded",
                               events=[e.to_dict() for e in live.events] if live else []),
-                    race=dict(tree=race.tree if race else "",
+                    race=dict(tree=race.tree if race else "", rounds=len(race.rounds.get("plain", [])) if race else 0,
                               runs={m: [e.to_dict() for e in run.events] for m, run in race.runs.items()} if race
                               else {}))
 
     def record(self, what: str, tree: str, top_k: int | str, start: str, rates: Rates) -> None:
         """One line of the history table."""
         self.history.append({"run": len(self.history) + 1, "what": what, "tree": tree, "k": top_k,
-                             "matrix at start": start, "tokens": rates.tokens, "steps": rates.steps,
-                             "mean accepted tokens": f"{rates.mean_accepted_tokens:.2f}" if rates.steps else "-",
+                             "matrix at start": start, "tokens": rates.tokens, "decoding steps": rates.steps,
+                             TOKENS_PER_PASS: f"{rates.mean_accepted_tokens:.2f}" if rates.steps else "-",
                              "tokens/s": f"{rates.tokens_per_s:.1f}"})
