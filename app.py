@@ -429,7 +429,11 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                     show_trace = gr.Button("Show the step events", size="sm", elem_id="show-trace")
                     trace = gr.JSON(elem_id="trace")
             with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab:
-                gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
+                gr.Markdown(f"Plain decoding and the methods you pick, each run {RACE_ROUNDS} times, interleaved: "
+                            "the median speed with its range, every output checked against plain decoding's, and a "
+                            "verdict on why Token Recycling won or lost on this machine.")
+                with gr.Accordion("How the race measures", open=False):
+                    gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
                 racing = settings_panel("race-", choices, example_labels, allow_local_models)
                 race_methods = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
                                                 label="Race against plain decoding", elem_id="race-methods")
