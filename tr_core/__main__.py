@@ -1,6 +1,7 @@
 """Decode one prompt from the command line.
 
     python -m tr_core --method tr --prompt "Write a haiku about autumn." [--json]
+    python -m tr_core --method tr --prompt "..." --temperature 0.7 --top-p 0.9 --sample-top-k 50 --seed 3
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers.utils import logging as transformers_logging
 from .engine import METHODS, Engine, EngineConfig
 from .kernels import MODES
 from .models import ModelLoadError
+from .sampling import Sampling
 from .tree import TreeTemplateError
 
 
@@ -34,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model body: faster steps after 1.5-3 minutes per shape class of compiling")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; above 0: sample, with every method's output equal to plain sampling's "
+                        "for the same --seed")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the top-p set (default 1: all tokens)")
+    p.add_argument("--sample-top-k", type=int, default=0,
+                   help="sampling: keep the k likeliest tokens (default 0: all); not --top-k, the matrix's candidates")
+    p.add_argument("--seed", type=int, default=0, help="sampling: the seed of every position's randomness")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
     p.add_argument("--trace", default=None, help="write every step event to this JSON file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
+        sampling = Sampling(args.temperature, args.top_p, args.sample_top_k, args.seed)
         config = EngineConfig(method=args.method, tree=args.tree, top_k=args.top_k, seed_from_prompt=args.seed_prompt,
                               mode=args.mode, compile=args.compile)
         engine = Engine.load(args.model, config)
@@ -50,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = engine.with_config(matrix_path=engine.shipped_matrix_path())
         elif args.matrix != "none":
             engine = engine.with_config(matrix_path=args.matrix)
-        result = engine.generate(args.prompt, args.max_new_tokens, chat=not args.no_chat_template)
+        result = engine.generate(args.prompt, args.max_new_tokens, chat=not args.no_chat_template,
+                                 sampling=sampling)
     except (ModelLoadError, TreeTemplateError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -66,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": round(result.rates.tokens_per_s, 3),
         "elapsed_s": round(result.elapsed_s, 4),
         "stop_reason": result.stop_reason,
+        "sampling": sampling.describe(),
         "tree": engine.tree.name if args.method == "tr" else None,
         "tree_nodes": engine.tree.size if args.method == "tr" else None,
         "hot_start": engine.config.matrix_path,
@@ -76,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result.text)
         print(f"\n[{args.method}] {len(result.token_ids)} tokens in {result.steps} steps, "
               f"mean accepted tokens {result.rates.mean_accepted_tokens:.2f}, {result.rates.tokens_per_s:.1f} tokens/s, "
-              f"stopped by {result.stop_reason}", file=sys.stderr)
+              f"stopped by {result.stop_reason}; {sampling.describe()}", file=sys.stderr)
     return 0
 
 

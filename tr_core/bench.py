@@ -2,7 +2,7 @@
 
     python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
                             [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--compile]
-                            [--out bench_out]
+                            [--out bench_out] [--temperatures 0,0.3,0.7,1.0 --seed 0]
 
 It writes ``results.json`` and ``report.md`` to ``--out``. The charts are drawn from ``results.json`` by
 ``visualize``, which this package does not import: ``python benchmark.py`` (beside ``app.py``) takes the same
@@ -23,6 +23,12 @@ matrix, the one it held before the question; what the first round taught is carr
 the per-question ratios (its tokens/s over plain's on the same question) with a 95% bootstrap interval over the
 questions, and a verdict read from the interval (``compare``); the same for each pair of the other methods.
 ``speedup`` keeps its old meaning: mean per-question tokens/s of a method / that of ``plain``.
+
+With ``--temperatures`` the whole measurement runs once per temperature (sampled with ``--seed``; 0 is greedy),
+each from fresh hot-start matrices, and every method's output is compared with plain sampling's at the same
+temperature and seed. ``results.json`` then also holds ``temperatures`` (per temperature and method: the median
+speedup, mean accepted tokens, identical-to-plain count) and the report a table per temperature; the rest of the
+report and of ``results.json`` is the first temperature's.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from .methods import METHODS
 from .kernels import mode_dtype
 from .layouts import cpu_name
 from .models import encode_prompt
+from .sampling import Sampling
 from .spec_bench import Question, load_questions, stratified
 
 ALL_METHODS = ("plain", "pld", "suffix", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic", "tr-plus")
@@ -86,6 +93,7 @@ class MethodRunner:
     method: str
     reset_each_question: bool = False
     records: list[Record] = field(default_factory=list)
+    sampling: Sampling | None = None  # how every run of this runner chooses tokens (None: greedy)
 
     @property
     def carries_matrix(self) -> bool:
@@ -96,7 +104,9 @@ class MethodRunner:
         """Decode one prompt on the runner's engine (or ``engine``); a cold runner starts from an empty matrix."""
         if engine is None:
             engine = self.engine.with_matrix(self.engine.fresh_matrix()) if self.reset_each_question else self.engine
-        return engine.generate(ids, max_new_tokens, method=self.method)
+        if self.sampling is None:
+            return engine.generate(ids, max_new_tokens, method=self.method)
+        return engine.generate(ids, max_new_tokens, method=self.method, sampling=self.sampling)
 
 
 def _sized(name: str) -> bool:
@@ -104,7 +114,15 @@ def _sized(name: str) -> bool:
     return name.startswith("tr-") and name[3:].isdigit()
 
 
-def build_runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodRunner]:
+def build_runners(base: Engine, methods: list[str], hot: Path | None,
+                  sampling: Sampling | None = None) -> list[MethodRunner]:
+    runners = _runners(base, methods, hot)
+    for r in runners:
+        r.sampling = sampling
+    return runners
+
+
+def _runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodRunner]:
     matrix = str(hot) if hot else None
     runners = []
     for name in methods:
@@ -381,7 +399,48 @@ def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
                    help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
                         "over the questions' contexts, each its prompt plus half the new tokens)")
     p.add_argument("--out", default="bench_out", help="the folder results.json and report.md go to")
+    p.add_argument("--temperatures", default=None,
+                   help="comma-separated sampling temperatures, e.g. 0,0.3,0.7,1.0 (0: greedy): the benchmark runs "
+                        "once per temperature and reports each (default: greedy only, as before)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed of --temperatures (default 0)")
     return p
+
+
+def parse_temperatures(text: str | None) -> list[float | None]:
+    """``--temperatures`` as a list (``[None]``: not given, greedy as before).
+
+    >>> parse_temperatures("0, 0.7,1"), parse_temperatures(None)
+    ([0.0, 0.7, 1.0], [None])
+    """
+    if text is None:
+        return [None]
+    values = [float(t) for t in text.split(",") if t.strip()]
+    if not values or any(t < 0 for t in values):
+        raise ValueError(f"--temperatures takes numbers >= 0, separated by commas; got {text!r}")
+    return values
+
+
+def temperature_summary(runners: Sequence[MethodRunner]) -> dict:
+    """One temperature's result per method: the median per-question speedup over plain (with its interval), mean
+    accepted tokens (tokens per pass) and how many outputs equal plain's at the same temperature and seed."""
+    plain = next(r for r in runners if r.name == "plain")
+    plain_tps = {r.question_id: r.tokens / r.seconds for r in plain.records}
+    out = {}
+    for r in runners:
+        entry = summarize(r.records, plain_tps)
+        out[r.name] = {**compare(ratios(r.records, plain.records)),
+                       **{k: entry[k] for k in ("mean_accepted_tokens", "identical", "questions", "tokens_per_s")}}
+    return out
+
+
+def temperature_table(by_temperature: dict) -> str:
+    """The report's table: one row per temperature and method."""
+    rows = ["| temperature | method | speedup: median [95% interval] | mean accepted tokens | identical to plain |",
+            "|---|---|---|---|---|"]
+    rows += [f"| {t} | {name} | {interval_text(m)} | {m['mean_accepted_tokens']:.2f} | "
+             f"{m['identical']}/{m['questions']} |" for t, entry in by_temperature.items()
+             for name, m in entry["methods"].items()]
+    return "\n".join(rows)
 
 
 def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids: list[int], base: Engine,
@@ -416,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--per-category, --max-new-tokens and --rounds must be >= 1")
     if args.fit_context is not None and args.fit_context < 1:
         p.error("--fit-context must be >= 1")
+    try:
+        samplings = [None if t is None else Sampling(t, seed=args.seed)
+                     for t in parse_temperatures(args.temperatures)]
+    except ValueError as e:
+        p.error(str(e))
 
     questions = stratified(load_questions(args.questions), args.per_category)
     base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode,
@@ -429,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     # t(N) measured anew now, before the engines fit their trees on it: a calibration cached hours ago, on a shared
     # machine, is no prediction for this run (it is measured again after the run, to show how far the machine moved)
     curve = context_curve(base.model, fit_context, remeasure=True)
-    runners = build_runners(base, methods, hot)
+    runners = build_runners(base, methods, hot, samplings[0])
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
     print(f"mode {mode_dtype(args.mode, base.model)[1]}{', compiled body' if args.compile else ''}; "
           f"torch threads {torch.get_num_threads()}")
@@ -453,12 +517,18 @@ def main(argv: list[str] | None = None) -> int:
 
     plain_runner = next(r for r in runners if r.name == "plain")
     started = time.perf_counter()
-    bar = tqdm(total=len(questions) * len(runners) * args.rounds, desc="benchmark", unit="run")
-    for qi, (q, ids) in enumerate(zip(questions, prompts)):
-        rounds = measure_question(runners, ids, args.max_new_tokens, args.rounds, qi, lambda: bar.update(1))
-        plain_ids = median_round(rounds["plain"]).token_ids  # every round of plain decoding gives the same tokens
-        for r in runners:
-            r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
+    bar = tqdm(total=len(questions) * len(runners) * args.rounds * len(samplings), desc="benchmark", unit="run")
+    by_temperature = {}
+    for i, sampling in enumerate(samplings):  # the first temperature's runners are the ones warmed up above
+        these = runners if i == 0 else build_runners(base, methods, hot, sampling)
+        for qi, (q, ids) in enumerate(zip(questions, prompts)):
+            rounds = measure_question(these, ids, args.max_new_tokens, args.rounds, qi, lambda: bar.update(1))
+            plain_ids = median_round(rounds["plain"]).token_ids  # every round of plain gives the same tokens
+            for r in these:
+                r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
+        if sampling is not None:
+            by_temperature[f"{sampling.temperature:g}"] = {"sampling": sampling.describe(),
+                                                           "methods": temperature_summary(these)}
     bar.close()
     curve_after = context_curve(base.model, fit_context, use_cache_file=False)
 
@@ -469,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
         "arguments": list(sys.argv[1:] if argv is None else argv),
+        "sampling": (samplings[0] or Sampling()).describe(),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "t_n_ms_after_run": curve_after, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
@@ -512,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         if "predicted_speedup" in entry:
             entry.update(predicted_vs_measured(entry, results["methods"]["plain"]))
     results["pairwise"] = pairwise({r.name: r.records for r in runners}, categories)
+    if by_temperature:
+        results["temperatures"] = by_temperature
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -567,6 +640,11 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
                                      {int(k): v for k, v in results["config"]["t_n_ms_after_run"].items()})]
     lines += ["", "## accepted tokens per step (share of steps)"]
     lines += [f"- {r.name}: {histogram(r.records)}" for r in runners]
+    if "temperatures" in results:
+        lines += ["", f"## per temperature (sampled with seed {args.seed}; 0: greedy)",
+                  "Speedup: the median over questions of tokens/s over plain's at the same temperature; identical: "
+                  "outputs equal to plain sampling's with the same seed. The sections above are temperature "
+                  f"{next(iter(results['temperatures']))}'s.", "", temperature_table(results["temperatures"])]
     diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]
     if diffs:
         lines += ["", "## first differences from plain (logits at the first differing position)"]

@@ -378,6 +378,9 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         nodes = path.tolist()
         self._teach_matrix([m for m in (self._matrix_nodes[i] for i in nodes[1:]) if m >= 0])
         if self._chain:
+            # the accepted tokens, then the likeliest next token: the bonus token of greedy decoding; in sampled
+            # decoding it stands in for the sampled bonus (which the loop does not hand over). Learning only: the
+            # output is the verifier's whatever the branch estimates say
             produced = tokens[path[1:]].tolist() + [int(top[nodes[-1], 0])]
             agree = _agreement(self._chain, produced)
             known = max(self._drafted, len(nodes))  # drafted nodes, and those the produced tokens decide

@@ -4,8 +4,10 @@ The KV cache always holds every token but the last one, the *root*. Each step:
 1. the drafter proposes a draft tree whose node 0 is the root;
 2. one forward pass verifies the whole tree on top of the cache, with a 4D additive mask in which each node sees
    the context, its ancestors and itself, and position ids = context length + depth;
-3. the longest root-to-leaf path whose tokens equal the model's greedy choice at their parent is accepted, plus the
-   bonus token (the model's choice after the path's last node);
+3. the longest root-to-leaf path whose tokens equal the model's choice at their parent is accepted, plus the
+   bonus token (the model's choice after the path's last node). The choice is greedy (argmax), or, with a
+   ``Sampling`` above temperature 0, the Gumbel-max sample of the position (``sampling.py``): the same rule on
+   perturbed logits, so every method's sampled output equals plain sampling's, token for token;
 4. the cache keeps only the accepted path; the drafter learns from the step (each node's top-k next tokens, and
    the forward's time, from which a tree budget learns step times);
 5. an event is yielded. The bonus token becomes the next root.
@@ -27,6 +29,7 @@ from .drafters import Drafter
 from .events import Rates, RowUpdate, StepEvent
 from .kv import keep_accepted_path, new_cache
 from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
+from .sampling import Sampler, Sampling, draft_probabilities
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree
 
@@ -49,7 +52,7 @@ class DecodeResult:
 
 def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
     """Node indices of the accepted path, root first: the longest root-to-leaf path whose every node's token equals
-    the model's prediction at its parent (the first such path in the template's leaf order on a tie).
+    the model's choice at its parent (greedy or sampled) (the first such path in the template's leaf order on a tie).
 
     ``tokens``, ``predicted``: (n,); returns (a + 1,) where a = accepted draft tokens.
     """
@@ -161,11 +164,12 @@ def prefill(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, ids: t
 
 @dataclass
 class Step:
-    """One verification step, before the stop rule: the draft ``tokens`` (n,) and ``tree``, the model's greedy
-    choice after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the ``bonus`` token,
-    ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows`` the drafter
-    rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass and
-    output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step."""
+    """One verification step, before the stop rule: the draft ``tokens`` (n,) and ``tree``, the model's choice
+    (greedy, or sampled) after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the
+    ``bonus`` token, ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows``
+    the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass and
+    output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step;
+    ``draft_probs``, in a sampled step, each node's probability under its parent's processed distribution."""
 
     tokens: torch.Tensor
     tree: TreeBuffers
@@ -178,12 +182,27 @@ class Step:
     forward_ms: float
     budget: int | None = None
     budget_estimates: dict = field(default_factory=dict)
+    draft_probs: list[float] = field(default_factory=list)
+
+
+def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: torch.Tensor, tokens: torch.Tensor,
+           tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+    """The model's choice after every node (n,), each node's ``k`` best next tokens by the raw logits (n, k) for the
+    drafter (None for ``k`` = 0), and, in a sampled step, each node's probability at its parent (else []).
+    ``logits`` (n, V); ``positions`` (n,): the absolute position of the token chosen after each node. Without a
+    ``sampler`` the choice is greedy, exactly ``greedy_and_top_k``'s."""
+    if sampler is None:
+        return *greedy_and_top_k(logits, k), []
+    top = torch.topk(logits, k, dim=-1).indices if k else None
+    processed = sampler.sampling.processed(logits)
+    return sampler.choose(logits, positions, processed), top, draft_probabilities(processed, tokens, tree.parents)
 
 
 def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, context: torch.Tensor,
-                drafter: Drafter, dtype: torch.dtype, max_pos: int | None) -> Step:
+                drafter: Drafter, dtype: torch.dtype, max_pos: int | None, sampler: Sampler | None = None) -> Step:
     """Draft, verify the draft in one forward pass, accept, keep the accepted path in ``cache``, and let the
     drafter learn. ``context`` (L,): the sequence so far, of which ``cache`` holds all but the last token (the root).
+    ``sampler``: how tokens are chosen (None: greedy).
     """
     started = time.perf_counter()
     device, past_len = context.device, context.numel() - 1
@@ -203,7 +222,7 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     _sync(device)
     t2 = time.perf_counter()
 
-    predicted, top = greedy_and_top_k(logits, drafter.top_k)
+    predicted, top, draft_probs = choose(logits, drafter.top_k, sampler, positions[0] + 1, tokens, tree)
     path = accept(tokens, predicted, tree)
     bonus = int(predicted[path[-1]])
     probs = top_probabilities(logits, top) if drafter.wants_probs else None
@@ -212,7 +231,8 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     drafter.observe(forward_ms)
     keep_accepted_path(cache, past_len, tree.size, path)
     new_tokens = tokens[path[1:]].tolist() + [bonus]
-    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, budget, estimates)
+    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, budget, estimates,
+                draft_probs)
 
 
 def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,
@@ -242,9 +262,10 @@ def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], l
 
 
 def step_event(step: Step, index: int, method: str, new: list[int], stop_reason: str | None, total_tokens: int,
-               text: TokenText | None) -> StepEvent:
+               text: TokenText | None, sampling: str = "greedy") -> StepEvent:
     """The plain-data event of verification step number ``index`` (from 0) that added ``new`` tokens. ``text`` turns
     ids into strings (empty strings without it); it is appended to, so each step's event is built once, in order.
+    ``sampling``: how the step chose (``Sampling.describe``).
     The caller fills in ``overhead_ms`` and ``elapsed_s``, which count this function's time too."""
     new_text = text.append(new, final=stop_reason is not None) if text else ""
     tree_tokens = step.tokens.tolist()
@@ -266,6 +287,8 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
         forward_ms=step.forward_ms,
         budget=step.budget,
         budget_estimates=step.budget_estimates,
+        sampling=sampling,
+        draft_probs=step.draft_probs,
         total_tokens=total_tokens,
         total_steps=index + 1,
         finished=stop_reason is not None,
@@ -276,8 +299,9 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
 @torch.inference_mode()
 def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
            eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-           head: OutputHead | None = None) -> Iterator[StepEvent]:
-    """Greedy decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass.
+           head: OutputHead | None = None, sampling: Sampling | None = None) -> Iterator[StepEvent]:
+    """Decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass: greedy, or sampled
+    by ``sampling`` (None or temperature 0: greedy), the output the same as plain decoding's either way.
 
     Stops exactly at the first EOS (included in the output) or after ``max_new_tokens`` tokens, or when the model's
     context is full. ``text`` turns ids into strings for the events (empty strings without it). ``head`` is the
@@ -293,16 +317,18 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
     # room for the whole output and a large tree, so that the cache never copies itself while decoding
     cache = new_cache(model.config, length + max_new_tokens + 128, dtype, device)
+    sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling)
+    how = (sampling or Sampling()).describe()
     started = time.perf_counter()
     prefill(base, head, cache, seq[:length - 1], drafter)  # the cache holds all but the root
 
     steps, generated, stop_reason = 0, 0, None
     while stop_reason is None:
-        step = verify_step(base, head, cache, seq[:length], drafter, dtype, max_pos)
+        step = verify_step(base, head, cache, seq[:length], drafter, dtype, max_pos, sampler)
         new, stop_reason = stop_rule(step.new_tokens, max_new_tokens - generated, eos_ids, length, max_pos)
         seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
         length, generated = length + len(new), generated + len(new)
-        event = step_event(step, steps, drafter.name, new, stop_reason, generated, text)
+        event = step_event(step, steps, drafter.name, new, stop_reason, generated, text, how)
         steps += 1
         done = time.perf_counter()
         event.overhead_ms = (done - step.started) * 1e3 - step.forward_ms  # the step's time outside the forward
@@ -312,10 +338,10 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
         eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-        keep_events: bool = True, head: OutputHead | None = None) -> DecodeResult:
+        keep_events: bool = True, head: OutputHead | None = None, sampling: Sampling | None = None) -> DecodeResult:
     """Decode to the end and collect the result (with every event, unless ``keep_events`` is False)."""
     events, ids, pieces, last = [], [], [], None
-    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text, head):
+    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text, head, sampling):
         ids.extend(last.new_tokens)
         pieces.append(last.new_text)
         if keep_events:

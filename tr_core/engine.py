@@ -2,6 +2,7 @@
 
     engine = Engine.load(None, EngineConfig(method="tr", tree="paper"))
     result = engine.generate("Tell me a story.", max_new_tokens=64)
+    result = engine.generate("Tell me a story.", 64, sampling=Sampling(temperature=0.7, seed=3))  # sampled, exact
     for event in engine.stream("Another one.", 64): ...   # the matrix learned above is used here: hot start
 
 On the "auto" tree (with the model's acceptance statistics) Token Recycling drafts with a tree budget
@@ -32,6 +33,7 @@ from .events import StepEvent
 from .methods import NAMES, check as check_method
 from .matrix import AdjacencyMatrix
 from .models import encode_prompt, eos_token_ids, load_model
+from .sampling import Sampling
 from .text import TokenText
 from .calibrate import (DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, context_curve, has_acceptance_stats,
                         interpolate, model_slug)
@@ -264,13 +266,15 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int, method: str | None = None,
-               chat: bool = True) -> Iterator[StepEvent]:
+               chat: bool = True, sampling: Sampling | None = None) -> Iterator[StepEvent]:
+        """One event per forward pass. ``sampling``: how tokens are chosen (None: greedy); with the same
+        ``Sampling``, every method's output equals plain decoding's."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
         return decode(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
-                      self.head)
+                      self.head, sampling)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int, method: str | None = None,
-                 chat: bool = True) -> DecodeResult:
+                 chat: bool = True, sampling: Sampling | None = None) -> DecodeResult:
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
         return run(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
-                   head=self.head)
+                   head=self.head, sampling=sampling)

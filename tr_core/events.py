@@ -49,7 +49,8 @@ class StepEvent:
     """What happened in one decoding step (one forward pass of the target model).
 
     The draft tree is given node by node in BFS order, node 0 being the root (the last token, not yet in the
-    KV cache). ``predicted[i]`` is the model's greedy next token after node ``i``. The accepted path lists node
+    KV cache). ``predicted[i]`` is the model's next token after node ``i``: its greedy choice, or in a sampled step
+    the sampled one (``sampling.py``). The accepted path lists node
     indices from the root; the new tokens are the accepted draft tokens followed by the bonus token, cut at EOS or
     at the ``max_new_tokens`` budget.
 
@@ -58,6 +59,10 @@ class StepEvent:
     ``{"sizes": [draft nodes, ...], "step_ms": [...], "expected_tokens": [per step, bonus included], "tokens_per_s":
     [...], "best": draft nodes with the most expected tokens/s, "explored": bool (this step tries a neighbour of
     "best" instead), "speed": the machine-speed factor against the calibration}``. Without one: None and {}.
+
+    ``sampling`` says how the step chose: "greedy", or e.g. "sampled: T=0.7, top-p 0.9, top-k 50, seed 3"
+    (``Sampling.describe``). In a sampled step ``draft_probs[i]`` is node ``i``'s probability under its parent's
+    processed distribution (temperature, top-k and top-p applied; the root: 1.0); in a greedy step it is empty.
     """
 
     step: int
@@ -80,6 +85,8 @@ class StepEvent:
     # where each node's token came from (root included): empty = the matrix by a template (or, for plain and pld,
     # the context); else e.g. "root", "matrix", "best-first", "context" (TreeBuffers.sources)
     tree_sources: list[str] = field(default_factory=list)
+    sampling: str = "greedy"
+    draft_probs: list[float] = field(default_factory=list)
     # running counters, after this step
     total_tokens: int = 0
     total_steps: int = 0
