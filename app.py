@@ -28,7 +28,8 @@ from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS, build_tab as explain_tab  # noqa: E402
-from ui.inputs import MAX_NEW_TOKENS, TOP_K, check_model_id, check_step  # noqa: E402
+from ui.inputs import (MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id,  # noqa: E402
+                       check_step)
 from ui.models import ModelCache, model_name  # noqa: E402
 from ui.page import (BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER,  # noqa: E402
                      TREE_PLACEHOLDER)
@@ -67,12 +68,15 @@ MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the forma
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
                 "notice", "step_plot", "watch")
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history", "race_step_plot")
-SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id")  # a setting in both tabs, kept alike
+SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id", "temperature", "top_p", "sample_top_k",
+          "seed")  # a setting in both tabs, kept alike
+SAMPLING = ("temperature", "top_p", "sample_top_k", "seed")  # the last inputs of /live and /race
 
 TITLE = "# ♻️ Token Recycling, live"
 SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a tree of guesses recycled from earlier "
-           "passes, and the answer stays exactly plain greedy decoding's. **Live** decodes your prompt step by step, "
-           "**Race** measures the speedup on this machine, **How it works** walks through one decoding step.")
+           "passes, and the answer stays exactly plain decoding's (greedy, or sampled with the same seed). **Live** "
+           "decodes your prompt step by step, **Race** measures the speedup on this machine, **How it works** walks "
+           "through the method in nine pages.")
 CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to what a forward pass costs here, and "
               "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
               f"decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the {WATCH_TREE} "
@@ -210,11 +214,12 @@ class Handlers:
 
     @user_errors
     def live(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             method="tr", request: gr.Request = None):
-        """Decode with the method picked (Token Recycling by default), streaming the answer at most every
-        ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive together), then plain
-        decoding's speed for comparison and the whole final state."""
-        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method)
+             method="tr", temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, request: gr.Request = None):
+        """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
+        answer at most every ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive
+        together), then plain decoding's speed for comparison and the whole final state."""
+        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method, None, temperature, top_p,
+                  sample_top_k, seed)
         yield from _shown_errors(self._live(values, session, request), lambda message: _out(
             LIVE_OUTPUTS, notice=notice_html(message), counters=counters_html(Rates(), "not run: see the message")))
 
@@ -274,10 +279,11 @@ class Handlers:
 
     @user_errors
     def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             methods=DEFAULT_RACE, request: gr.Request = None):
+             methods=DEFAULT_RACE, temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, request: gr.Request = None):
         """Measure plain decoding and the picked methods in rounds, each run alone on the CPU; the verdict and the
         table come out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
-        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, "tr", methods)
+        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, "tr", methods, temperature, top_p,
+                  sample_top_k, seed)
         yield from _shown_errors(self._race(values, session, request), lambda message: _out(
             RACE_OUTPUTS, race_status=f"Not run: {message}"))
 
@@ -358,6 +364,17 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
             c["example"] = gr.Dropdown([(label, i) for i, label in enumerate(example_labels)], value=None,
                                        label="…or take a Spec-Bench question (one per category)",
                                        elem_id=f"{prefix}example")
+            with gr.Row(elem_classes="tr-sampling"):
+                c["temperature"] = gr.Slider(TEMPERATURE[0], TEMPERATURE[1], value=0.0, step=0.05,
+                                             label="Temperature (0 = greedy)", elem_id=f"{prefix}temperature",
+                                             min_width=140)
+                c["top_p"] = gr.Slider(0.05, TOP_P[1], value=1.0, step=0.05, label="Top-p (1 = off)",
+                                       elem_id=f"{prefix}top-p", min_width=120)
+                c["sample_top_k"] = gr.Number(0, label="Top-k filter (0 = off; not the matrix's k)", precision=0,
+                                              minimum=SAMPLE_TOP_K[0], maximum=SAMPLE_TOP_K[1],
+                                              elem_id=f"{prefix}sample-top-k", min_width=120)
+                c["seed"] = gr.Number(0, label="Seed", precision=0, minimum=SEED[0], maximum=SEED[1],
+                                      elem_id=f"{prefix}seed", min_width=90)
         with gr.Column(scale=2, min_width=300):
             c["tree"] = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id=f"{prefix}tree")
             c["max_new"] = gr.Slider(8, MAX_NEW_TOKENS[1], value=64, step=8, label="Max new tokens",
@@ -467,10 +484,10 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         race_settings = [racing[n] for n in ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")]
         live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot, notice,
                         step_plot, watch]
-        run.click(h.live, settings + [live_method], live_outputs, api_name="live", show_progress="hidden",
-                  **model_work, **raw)
+        live_inputs = settings + [live_method] + [live[n] for n in SAMPLING]
+        run.click(h.live, live_inputs, live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
         watch.click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["tree"], racing["tree"]],
-                    api_visibility="private").then(h.live, settings + [live_method], live_outputs,
+                    api_visibility="private").then(h.live, live_inputs, live_outputs,
                                                    show_progress="hidden", api_visibility="private", **model_work,
                                                    **raw)
         # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
@@ -483,7 +500,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         play.click(h.play, [step, session], frame, api_visibility="private", show_progress="hidden")
         pause.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
         timer.tick(h.tick, [step, session], frame, api_visibility="private", show_progress="hidden")
-        race_run = race.click(h.race, race_settings + [session, race_methods],
+        race_run = race.click(h.race, race_settings + [session, race_methods] + [racing[n] for n in SAMPLING],
                               [race_status, lanes, table, race_plot, session, history, race_step], api_name="race",
                               show_progress="hidden", **model_work, **raw)
         race_run.success(h.replay, [session], [race_status, lanes, race_plot], api_name="replay",

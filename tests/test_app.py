@@ -334,8 +334,42 @@ def tiny_models(tiny_folder):
 
 
 def settings(max_new_tokens=12, tree="small", top_k=8, hot_start=True, prompt="Name three colours.", method="tr",
-             race=("pld", "tr")):
-    return Settings.check(prompt, max_new_tokens, tree, top_k, hot_start, "", "exact", method, race, trees=TREES)
+             race=("pld", "tr"), sampling=(0.0, 1.0, 0, 0)):
+    return Settings.check(prompt, max_new_tokens, tree, top_k, hot_start, "", "exact", method, race, *sampling,
+                          trees=TREES)
+
+
+def test_sampling_settings_are_checked_with_the_controls_names():
+    assert settings().sampling.is_greedy and settings().sampling.describe() == "greedy"
+    s = settings(sampling=(0.7, 0.9, 50, 3)).sampling
+    assert (s.temperature, s.top_p, s.sample_top_k, s.seed) == (0.7, 0.9, 50, 3)
+    for values, message in [((-0.1, 1.0, 0, 0), "Temperature must be a number from 0 to 2; got -0.1."),
+                            ((float("nan"), 1.0, 0, 0), "Temperature must be a number from 0 to 2; got nan."),
+                            ((0.7, 0.0, 0, 0), "Top-p must be a number from 0.01 to 1; got 0.0."),
+                            ((0.7, "0.9", 0, 0), "Top-p must be a number from 0.01 to 1; got '0.9'."),
+                            ((0.7, 1.0, 2.5, 0), "Sampling top-k (0 = no filter) must be a whole number from 0 to "
+                                                 "1000; got 2.5."),
+                            ((0.7, 1.0, 0, -1), "Seed must be a whole number from 0 to 2147483647; got -1.")]:
+        with pytest.raises(InputError) as refused:
+            settings(sampling=values)
+        assert str(refused.value) == message
+
+
+def test_a_sampled_race_gives_every_method_plain_samplings_tokens(tiny_models):
+    """With one seed, every method samples the same tokens as plain decoding (tr_core.sampling), so the race's
+    identical-to-plain check still means something; another seed samples another answer."""
+    def race_tokens(sampling) -> dict:
+        race = Race(Session(), tiny_models, settings(sampling=sampling, race=("pld", "tr", "tr-context")))
+        race.prepare()
+        list(race.progress())
+        rounds = race.session.race.rounds
+        assert race.session.race.runs["tr"].events[0].sampling.startswith("sampled: T=1")
+        return {m: [run.token_ids for run in runs] for m, runs in rounds.items()}
+
+    first = race_tokens((1.0, 0.95, 0, 11))
+    plain = first["plain"][0]
+    assert all(ids == plain for runs in first.values() for ids in runs)
+    assert race_tokens((1.0, 0.95, 0, 12))["plain"][0] != plain
 
 
 def test_settings_are_checked_and_name_the_first_refused():
@@ -603,6 +637,18 @@ def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain
     assert "tr-diff" not in table
     assert history.count("<td>race: ") == 3 and steps["type"] == "plotly"
     status, lanes, plot = client.predict(api_name="/replay")  # the side-by-side replay of those runs
+    assert status.startswith("Token Recycling ran at") and lanes.count("— done,") == 3
+    names = [t["name"] for t in json.loads(plot["plot"])["data"]]
+    assert [n.split(":")[0] for n in names] == ["plain", "pld", "tr"]
+    assert all(re.search(r": [\d.]+ \([\d.]+–[\d.]+\) tok/s$", n) for n in names), names  # median (range)
+
+
+def test_a_race_at_temperature_0_7_samples_plain_decodings_answer_with_every_method(client):
+    _, _, table, *_ = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact", ["pld", "tr"], 0.7, 1.0, 0,
+                                     5, api_name="/race")
+    identical = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)"', table)
+    assert identical == [("plain", "true"), ("pld", "true"), ("tr", "true")], table
+    status, lanes, plot = client.predict(api_name="/replay")
     assert status.startswith("Token Recycling ran at") and lanes.count("— done,") == 3
     names = [t["name"] for t in json.loads(plot["plot"])["data"]]
     assert [n.split(":")[0] for n in names] == ["plain", "pld", "tr"]

@@ -27,6 +27,10 @@ from tr_core.models import encode_prompt
 
 MAX_NEW_TOKENS = (1, 256)  # (lowest, highest) accepted; the page's slider offers 8-256
 TOP_K = (1, 16)
+TEMPERATURE = (0.0, 2.0)  # 0: greedy
+TOP_P = (0.01, 1.0)  # 1: no top-p filter
+SAMPLE_TOP_K = (0, 1000)  # 0: no top-k filter (not the matrix's k)
+SEED = (0, 2 ** 31 - 1)
 # A prompt's prefill holds the one model slot of the server: on a small CPU, 2,048 tokens take a few seconds.
 MAX_PROMPT_TOKENS = 2048
 # Text beyond this many characters from the end is dropped before tokenizing (it could not fit in MAX_PROMPT_TOKENS
@@ -55,6 +59,16 @@ def check_number(value, name: str, bounds: tuple[int, int]) -> int:
     if not math.isfinite(value) or value != int(value) or not low <= value <= high:
         raise InputError(f"{rule}; got {_shown(value)}.")
     return int(value)
+
+
+def check_real(value, name: str, bounds: tuple[float, float]) -> float:
+    """``value`` as a float if it is a finite number within ``bounds`` (``True``, ``"0.7"`` and ``nan`` do not
+    pass)."""
+    low, high = bounds
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not low <= value <= high):
+        raise InputError(f"{name} must be a number from {low:g} to {high:g}; got {_shown(value)}.")
+    return float(value)
 
 
 def check_flag(value, name: str) -> bool:

@@ -7,16 +7,16 @@ Speculative decoding with no draft model ([arXiv 2408.08696](https://arxiv.org/a
 ranks the whole vocabulary; Token Recycling keeps the top *k* candidates after each token in an **adjacency matrix**
 instead of throwing them away. Each step it grows a **draft tree** from that matrix, starting at the last token,
 checks the whole tree in **one forward pass**, keeps the longest path the model agrees with plus the model's own next
-token (the **bonus token**), and writes the new candidates back into the matrix. The answer is exactly plain greedy
-decoding's; only the number of forward passes shrinks."""
+token (the **bonus token**), and writes the new candidates back into the matrix. The answer is exactly plain
+decoding's, greedy or sampled with the same seed; only the number of forward passes shrinks."""
 
 RACE_INTRO = """\
-The same prompt through plain greedy decoding and the methods you pick below (by default Prompt Lookup Decoding,
-Token Recycling and its best extension beyond the paper), with the model, tree and k above. Each is **measured
-alone**, one after another, so that none shares the CPU with another, and each method that keeps a matrix starts from
-its own copy of yours; then the runs are **replayed side by side at the speed each was measured at**. Every method
-must give the same answer as plain decoding: a difference (possible at floating-point near-ties) is shown, not
-hidden."""
+The same prompt and settings (below) through plain decoding and the methods you pick (by default Prompt Lookup
+Decoding, Token Recycling and its best extension beyond the paper). Each is **measured alone**, one after another, so
+that none shares the CPU with another, and each method that keeps a matrix starts from its own copy of yours; then the
+runs are **replayed side by side at the speed each was measured at**. Every method must give the same answer as plain
+decoding, greedy or sampled (a temperature above 0: the same seed gives every method the same sample at every
+position): a difference (possible at floating-point near-ties) is shown, not hidden."""
 
 TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last token), the drafts the matrix "
                     "proposed,<br>the path the model accepted, and the bonus token it added itself.")

@@ -133,7 +133,7 @@ class _ModelRun(Stoppable):
         self.matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
         self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
-        self.about_setup = (f"mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, tree)}; "
+        self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, tree)}; "
                             f"adjacency matrix: {self.about_matrix}")
 
     @property
@@ -174,7 +174,7 @@ class LiveRun(_ModelRun):
         teaches = s.hot_start and METHODS[s.method].uses_matrix  # plain, pld and suffix leave the matrix as it was
         self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden)
         events, rates, seconds = self.record.events, Rates(), 0.0
-        steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method)
+        steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method, sampling=s.sampling)
         while not self.stopped:
             started = time.perf_counter()
             try:
@@ -214,7 +214,7 @@ class LiveRun(_ModelRun):
             return Baseline(decoding_speed(events), ms_per_step(events), "this run itself is plain decoding")
         n = min(BASELINE_TOKENS, sum(len(e.new_tokens) for e in events))
         plain = []
-        for event in self.engine.stream(self.ids, n, method="plain"):
+        for event in self.engine.stream(self.ids, n, method="plain", sampling=self.settings.sampling):
             plain.append(event)
             if self.stopped:
                 return None
@@ -302,7 +302,8 @@ class Race(_ModelRun):
                 yield RaceProgress(f"Round {r + 1} of {self.rounds}, run {done} of {total}: "
                                    f"{method_label(method)}, alone on the CPU{about_prompt}…", latest)
                 events = []
-                for event in self._engine(method).stream(self.ids, s.max_new_tokens, method=method):
+                for event in self._engine(method).stream(self.ids, s.max_new_tokens, method=method,
+                                                        sampling=s.sampling):
                     events.append(event)  # nothing else between steps: the run's clock measures decoding alone
                     if self.stopped:
                         yield RaceProgress("Stopped.", latest, done=True, stopped=True)

@@ -15,10 +15,11 @@ from tr_core.assets import TREES_DIR
 from tr_core.engine import AUTO
 from tr_core.kernels import MODES
 from tr_core.methods import METHODS, NAMES
+from tr_core.sampling import Sampling
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
-from .inputs import (MAX_NEW_TOKENS, TOP_K, InputError, Prompt, check_choice, check_flag, check_model_id,
-                     check_number, clean_prompt)
+from .inputs import (MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, InputError, Prompt, check_choice,
+                     check_flag, check_model_id, check_number, check_real, clean_prompt)
 
 
 @dataclass(frozen=True)
@@ -34,17 +35,28 @@ class Settings:
     mode: str
     method: str = "tr"  # what Live decodes with
     race_methods: tuple[str, ...] = ()  # what the race measures beside plain decoding
+    sampling: Sampling = Sampling()  # greedy unless a temperature is set
 
     @classmethod
     def check(cls, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method="tr",
-              race_methods=None, *, trees: list[str], allow_local_models: bool = False) -> "Settings":
+              race_methods=None, temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, *, trees: list[str],
+              allow_local_models: bool = False) -> "Settings":
         """The settings a request brings, in the order of the page's controls; ``InputError`` names the first that
         is refused."""
         return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
                    check_choice(tree, "draft tree", trees), check_number(top_k, "k: candidates per row", TOP_K),
                    check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
                    check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(NAMES)),
-                   check_race_methods(DEFAULT_RACE if race_methods is None else race_methods))
+                   check_race_methods(DEFAULT_RACE if race_methods is None else race_methods),
+                   check_sampling(temperature, top_p, sample_top_k, seed))
+
+
+def check_sampling(temperature, top_p, sample_top_k, seed) -> Sampling:
+    """The sampling the page's controls set: temperature 0 is greedy (and then the rest is unused)."""
+    return Sampling(check_real(temperature, "Temperature", TEMPERATURE),
+                    check_real(top_p, "Top-p", TOP_P),
+                    check_number(sample_top_k, "Sampling top-k (0 = no filter)", SAMPLE_TOP_K),
+                    check_number(seed, "Seed", SEED))
 
 
 # The race's methods beside plain decoding, by default: the baseline users know, the paper's method, and the best

@@ -95,6 +95,6 @@ def budget_figure(event: StepEvent) -> go.Figure:
                       yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
                       xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
                       yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
-                      margin=dict(l=60, r=20, t=80, b=50))
+                      legend=dict(orientation="h", yanchor="top", y=-0.28, x=0),  # below the axis title, clear of
+                      margin=dict(l=60, r=20, t=80, b=90))  # the two-line title
     return fig

@@ -157,7 +157,11 @@ def _node_hover(event: StepEvent, i: int, depth: int, source: str, text: TokenNa
         else:
             why = "; grown best-first by estimated path probability" if source == "best-first" else ""
             lines.append(f"rank {rank} in the matrix row of {parent} (0 = likeliest; parent, node {p}{why})")
-    lines.append(f"model's next token here: {quoted(text(event.predicted[i]))}")
+    probs = getattr(event, "draft_probs", None)
+    if i and probs and i < len(probs):  # a sampled step: the chance that the sample at the parent was this draft
+        lines.append(f"probability {probs[i]:.1%} at its parent, after temperature and filters")
+    sampled = getattr(event, "sampling", "greedy") != "greedy"
+    lines.append(f"model's {'sampled' if sampled else 'next'} token here: {quoted(text(event.predicted[i]))}")
     return "<br>".join(lines)
 
 
