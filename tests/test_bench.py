@@ -9,7 +9,7 @@ import benchmark
 from tr_core import bench
 from tr_core.bench import (MethodRunner, Record, bootstrap_median_interval, compare, main, measure_question,
                            median_round, pairwise, predicted_vs_measured, prediction_table, question_contexts,
-                           round_orders, verdict)
+                           round_orders, speedup_on, verdict)
 from tr_core.decoding import DecodeResult
 
 # The keys of results.json as the benchmark wrote them before it measured in rounds (a run of that code on the tiny
@@ -262,5 +262,10 @@ def test_a_fitted_tree_shows_its_prediction_beside_what_was_measured():
     table = prediction_table({"methods": {"plain": plain, "tr": tr}})
     # step cost: predicted 1.8 / 1.5 = 1.2x a plain step; measured (25 + 1) / (19 + 1) = 1.3x
     assert table.splitlines()[2] == ("| tr | 5 | 1.80 | 1.60 | 1.20x | 1.30x | 1.50x | 1.25x | +20% | 24.00 | 20.00 | "
-                                     "+20% | 1.20x [1.10, 1.30] |")
+                                     "+20% | 1.20x [1.10, 1.30] | - | - |")
+    # t(N) through the run: the same 1.8 expected tokens over a step cost of 1.44x gives 1.25x, as measured
+    tr["predicted_speedup_through_run"] = speedup_on(1.5, 5, {1: 20.0, 5: 24.0}, {1: 20.0, 5: 28.8})
+    tr.update(predicted_vs_measured(tr, plain))
+    assert tr["predicted_through_run_steps_error_pct"] == 0.0
+    assert prediction_table({"methods": {"plain": plain, "tr": tr}}).splitlines()[2].endswith("| 1.25x | +0% |")
     assert len(table.splitlines()) == 3  # plain has no fitted tree

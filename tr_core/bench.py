@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .calibrate import context_curve, context_weights, describe_context
+from .calibrate import context_curve, context_weights, describe_context, interpolate
 from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
 from .methods import METHODS
@@ -287,7 +287,10 @@ def predicted_vs_measured(entry: dict, plain: dict) -> dict:
     predicted_tps = entry["predicted_speedup"] * plain["tokens_per_s"]
     return {"predicted_tokens_per_s": round(predicted_tps, 3),
             "predicted_tokens_per_s_error_pct": round(100 * (predicted_tps / entry["tokens_per_s"] - 1), 1),
-            "predicted_steps_error_pct": round(100 * (entry["predicted_speedup"] / entry["steps_speedup"] - 1), 1)}
+            "predicted_steps_error_pct": round(100 * (entry["predicted_speedup"] / entry["steps_speedup"] - 1), 1),
+            **({"predicted_through_run_steps_error_pct": round(
+                100 * (entry["predicted_speedup_through_run"] / entry["steps_speedup"] - 1), 1)}
+               if "predicted_speedup_through_run" in entry else {})}
 
 
 def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
@@ -345,8 +348,8 @@ def prediction_table(results: dict) -> str:
     plain_step = plain["forward_ms_per_step"] + plain["overhead_ms_per_step"]
     rows = ["| method | nodes | predicted MAT | measured MAT | predicted step cost | measured step cost | "
             "predicted speedup (steps) | measured speedup (steps) | error | predicted tokens/s | measured tokens/s | "
-            "error | measured speedup (median) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "error | measured speedup (median) | predicted with t(N) through the run (steps) | error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, m in results["methods"].items():
         if "predicted_speedup" not in m:
             continue
@@ -356,8 +359,32 @@ def prediction_table(results: dict) -> str:
                     f"{m['mean_accepted_tokens']:.2f} | {cost:.2f}x | {measured_cost:.2f}x | "
                     f"{m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | {m['predicted_steps_error_pct']:+.0f}% | "
                     f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | "
-                    f"{m['predicted_tokens_per_s_error_pct']:+.0f}% | {interval_text(m)} |")
+                    f"{m['predicted_tokens_per_s_error_pct']:+.0f}% | {interval_text(m)} | " + (
+                        f"{m['predicted_speedup_through_run']:.2f}x | {m['predicted_through_run_steps_error_pct']:+.0f}% |"
+                        if "predicted_speedup_through_run" in m else "- | - |"))
     return "\n".join(rows)
+
+
+def through_run_sizes(tree_sizes: list[int], curve: dict[int, float]) -> tuple[int, ...]:
+    """The sizes t(N) is sampled at through a run: one token, each fitted tree's size, and the calibrated sizes in
+    between (so that the curve interpolates as before).
+
+    >>> through_run_sizes([4, 2], {1: 1, 2: 1, 3: 1, 4: 1, 6: 1, 8: 1})
+    (1, 2, 3, 4)
+    """
+    top = max(tree_sizes, default=1)
+    return tuple(sorted({1, *tree_sizes, *(n for n in curve if n <= top)}))
+
+
+def speedup_on(speedup: float, nodes: int, fitted_on: dict[int, float], other: dict[int, float]) -> float:
+    """A fitted tree's predicted speedup (expected tokens per step over t(N) / t(1)) with t(N) from ``other`` in place
+    of the curve it was fitted on: the expected tokens stay, the step cost changes.
+
+    >>> speedup_on(1.3, 4, {1: 20.0, 4: 22.0}, {1: 19.0, 4: 23.75})
+    1.144
+    """
+    cost_then = interpolate(fitted_on, nodes) / interpolate(fitted_on, 1)
+    return round(speedup * cost_then / (interpolate(other, nodes) / interpolate(other, 1)), 6)
 
 
 def drift_line(before: dict, after: dict) -> str:
@@ -403,6 +430,9 @@ def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
                    help="comma-separated sampling temperatures, e.g. 0,0.3,0.7,1.0 (0: greedy): the benchmark runs "
                         "once per temperature and reports each (default: greedy only, as before)")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed of --temperatures (default 0)")
+    p.add_argument("--recalibrate-every", type=int, default=10,
+                   help="measure t(N) again after every this many questions (0: only before and after the run), for "
+                        "the prediction from t(N) through the run (default 10)")
     return p
 
 
@@ -519,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     bar = tqdm(total=len(questions) * len(runners) * args.rounds * len(samplings), desc="benchmark", unit="run")
     by_temperature = {}
+    # t(N) sampled through the run, at the sizes the fitted trees run: the machine's cost curve moves within minutes
+    # (its t(4) / t(1) went from 1.10 to 1.24 during one 6-minute run here), which no calibration taken once foresees
+    sizes = through_run_sizes([r.engine.tree.size for r in runners if r.engine.fitted], curve)
+    through = [{n: interpolate(curve, n) for n in sizes}]
     for i, sampling in enumerate(samplings):  # the first temperature's runners are the ones warmed up above
         these = runners if i == 0 else build_runners(base, methods, hot, sampling)
         for qi, (q, ids) in enumerate(zip(questions, prompts)):
@@ -526,11 +560,15 @@ def main(argv: list[str] | None = None) -> int:
             plain_ids = median_round(rounds["plain"]).token_ids  # every round of plain gives the same tokens
             for r in these:
                 r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
+            if i == 0 and args.recalibrate_every and (qi + 1) % args.recalibrate_every == 0 and qi + 1 < len(prompts):
+                through.append(context_curve(base.model, fit_context, use_cache_file=False, sizes=sizes))
         if sampling is not None:
             by_temperature[f"{sampling.temperature:g}"] = {"sampling": sampling.describe(),
                                                            "methods": temperature_summary(these)}
     bar.close()
     curve_after = context_curve(base.model, fit_context, use_cache_file=False)
+    through.append({n: interpolate(curve_after, n) for n in sizes})
+    curve_through = {n: statistics.mean(c[n] for c in through) for n in sizes}
 
     plain_tps = {r.question_id: r.tokens / r.seconds for r in plain_runner.records}
     categories = list(dict.fromkeys(q.category for q in questions))
@@ -541,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "sampling": (samplings[0] or Sampling()).describe(),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
-        "t_n_ms": curve, "t_n_ms_after_run": curve_after, "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
+        "t_n_ms": curve, "t_n_ms_after_run": curve_after, "t_n_ms_through_run": curve_through,
+        "t_n_calibrations_through_run": len(through), "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
@@ -574,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["tree_nodes"] = r.engine.tree.size
             entry["predicted_mean_accepted_tokens"] = round(r.engine.fitted.expected_accepted, 4)
             entry["predicted_speedup"] = round(r.engine.fitted.predicted_speedup, 4)
+            entry["predicted_speedup_through_run"] = round(speedup_on(r.engine.fitted.predicted_speedup,
+                                                                      r.engine.tree.size, curve, curve_through), 4)
         elif r.method == "tr":
             entry["tree_nodes"] = r.engine.tree.size
         entry["first_differences"] = [{"question_id": x.question_id, **x.first_difference}
@@ -633,7 +674,12 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
         lines += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
                    "The prediction is per step: it is set against the steps' own speedup, and, times plain's measured "
                    "tokens/s, against the measured tokens/s, which also carry each question's prefill. Error: "
-                   "predicted / measured - 1. Step cost: a step's time over a plain step's.", "",
+                   "predicted / measured - 1. Step cost: a step's time over a plain step's. The prediction is made "
+                   "from t(N) measured just before the run (what the engines fitted their trees on); the last two "
+                   "columns put the same expected tokens over t(N) averaged over calibrations through the run "
+                   f"({results['config'].get('t_n_calibrations_through_run', 0)}: before, every "
+                   f"{args.recalibrate_every} questions, after), which separates the model's error from the "
+                   "machine's drift.", "",
                    prediction_table(results)]
         if results["config"].get("t_n_ms_after_run"):
             lines += ["", drift_line({int(k): v for k, v in results["config"]["t_n_ms"].items()},
