@@ -70,6 +70,7 @@ LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "sessi
 RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history", "race_step_plot")
 SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id", "temperature", "top_p", "sample_top_k",
           "seed")  # a setting in both tabs, kept alike
+NARROW_PX = 700  # a page narrower than this (a phone) gets the figures' compact layout
 SAMPLING = ("temperature", "top_p", "sample_top_k", "seed")  # the last inputs of /live and /race
 
 TITLE = "# ♻️ Token Recycling, live"
@@ -154,7 +155,8 @@ def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) ->
     values = dict(answer=answer_html(snap.events, hidden=run.hidden), session=session,
                   counters=counters_html(snap.rates, status, snap.note, snap.baseline, decoding_speed(snap.events)))
     if (figures or snap.done) and last:
-        values.update(tree_plot=tree_figure(last, run.token_text), matrix_plot=matrix_figure(last, run.token_text),
+        values.update(tree_plot=tree_figure(last, run.token_text, compact=session.narrow),
+                      matrix_plot=matrix_figure(last, run.token_text, compact=session.narrow),
                       step=_step_slider(len(snap.events)), budget_plot=budget_view(last))
     if snap.done:
         baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
@@ -251,7 +253,8 @@ class Handlers:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         event = live.events[check_step(index, len(live.events))]
         return (answer_html(live.events, current=event.step, hidden=live.hidden),
-                tree_figure(event, live.token_text), matrix_figure(event, live.token_text), budget_view(event))
+                tree_figure(event, live.token_text, compact=session.narrow),
+                matrix_figure(event, live.token_text, compact=session.narrow), budget_view(event))
 
     @user_errors
     def play(self, index: float, session: Session):
@@ -324,6 +327,12 @@ class Handlers:
         if not self.models.loaded(model_id):
             yield f"Loading {model_name(model_id)}…"
         yield f"**Loaded** {self.models.describe(model_id)}."
+
+    @staticmethod
+    def viewport(narrow, session: Session) -> Session:
+        """Remember whether the page is on a narrow screen, for the figures drawn from now on."""
+        session.narrow = narrow is True
+        return session
 
     @user_errors
     def trace(self, session: Session) -> dict:
@@ -468,6 +477,10 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                 lanes = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
             explain_tab()  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
+        # the browser says whether its screen is narrow (a phone); the session keeps it for the figures' layout
+        narrow = gr.Checkbox(False, visible=False, elem_id="narrow")
+        demo.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", api_visibility="private")
+        narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
 
         # what a user set in one tab holds in the other: the tab opened takes the settings of the tab left
         live_shared, race_shared = [live[n] for n in SHARED], [racing[n] for n in SHARED]

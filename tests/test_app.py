@@ -715,3 +715,21 @@ def test_app_py_is_layout_and_wiring():
     assert {"live", "race", "replay", "stop", "view_step"} <= set(lengths)
     assert max(lengths.values()) <= 25, lengths
     assert "engine" not in (ROOT / "app.py").read_text(), "app.py asks runs and the model cache, never an engine"
+
+
+def test_a_narrow_screen_gets_the_figures_compact_layout():
+    """The page tells the session whether its screen is narrow (a phone); the step's figures follow it."""
+    from visualize import matrix_figure, tree_figure
+
+    session = Session()
+    session.begin_live("", "exact", "hand", False).events.append(hand_event())
+    handlers = app.Handlers(ModelCache(), TREES)
+    wide = handlers.view_step(0, session)
+    assert handlers.viewport(True, session) is session and session.narrow
+    narrow = handlers.view_step(0, session)
+    text = session.live.token_text
+    assert narrow[1].layout.title.text == tree_figure(hand_event(), text, compact=True).layout.title.text
+    assert wide[1].layout.title.text == tree_figure(hand_event(), text).layout.title.text
+    assert narrow[2].layout.height == matrix_figure(hand_event(), text, compact=True).layout.height
+    assert narrow[1].layout.title.text != wide[1].layout.title.text  # the compact title wraps sooner
+    assert handlers.viewport("yes", session).narrow is False  # anything but True is a wide screen

@@ -78,6 +78,7 @@ class Session:
     live: LiveRecord | None = None
     race: RaceRecord | None = None
     history: list[dict] = field(default_factory=list)
+    narrow: bool = False  # the page is on a narrow screen (a phone): figures in their compact layout
 
     def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, keep: bool = True
                    ) -> tuple[AdjacencyMatrix, str]:
