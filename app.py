@@ -41,6 +41,7 @@ from ui.session import Session  # noqa: E402
 from ui.settings import (DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help,  # noqa: E402
                          tree_choices)
 from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
+from visualize.palette import wrap  # noqa: E402
 from visualize.charts import step_latency_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
@@ -352,8 +353,8 @@ def race_chart(race, at_s: float | None = None):
     end = max(r.elapsed_s for r in runs.values())
     tokens = max(r.events[-1].total_tokens for r in runs.values())
     return (fig.update_xaxes(range=[0, end * 1.03]).update_yaxes(range=[0, tokens * 1.05])
-            .update_layout(title=f"tokens against time: each method's median round of {len(race.rounds['plain'])} "
-                                 "(legend: median tokens/s, range)"))
+            .update_layout(title=wrap(f"tokens against time: each method's median round of "
+                                      f"{len(race.rounds['plain'])} (legend: median tokens/s, range)", 40)))
 
 
 def example_prompts() -> tuple[list[str], list[str]]:

@@ -113,8 +113,8 @@ def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
 
 EXPLAIN_INTRO = """\
 Token Recycling in {n} pages, each drawn from a **real run recorded with {model}** (prompt: *{prompt}*, tree
-`{tree}`, k = {k}), replayed here without loading any model. The prompt and settings above belong to the other
-tabs. Use **Previous** and **Next**, or a page's number; hover over a figure for details. In token texts, `␣` marks
+`{tree}`, k = {k}), replayed here without loading any model (your own prompt and settings are in the Live and
+Race tabs). Use **Previous** and **Next**, or a page's number; hover over a figure for details. In token texts, `␣` marks
 a space and `↵` a line break."""
 
 EXPLAIN_CSS = """

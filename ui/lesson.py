@@ -27,6 +27,7 @@ from tr_core.methods import METHODS
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import children_ranks, passes_figure, retrieval_figure, row_figure, tree_size_table_figure
 from visualize.trace import TokenNamer
+from visualize.palette import wrap
 from visualize.tree_layout import node_roles
 
 RUN_NAMES = {"hot": "hot start", "cold": "cold start"}
@@ -291,9 +292,11 @@ def _hot_and_cold(lesson: Lesson) -> go.Figure:
 def _mask(lesson: Lesson) -> go.Figure:
     fig = mask_figure(lesson.event)
     n = len(lesson.event.tree_tokens)
-    subtitle = "<span style='font-size:12px;color:#555'>row: the node that looks; column: a node it may look at</span>"
-    title = f"decoding step {lesson.event.step}: tree attention over the {n} nodes of the draft tree"
-    return fig.update_layout(title_text=f"{title}<br>{subtitle}")
+    subtitle = "<span style='font-size:12px;color:#555'>row: the node that looks;<br>column: a node it may look at</span>"
+    # wrapped for a phone's 390 px; the margin holds the title's lines above the column labels
+    title = wrap(f"decoding step {lesson.event.step}: tree attention over the {n} nodes of the draft tree", 40)
+    return fig.update_layout(title_text=f"{title}<br>{subtitle}", title_y=0.99, title_yanchor="top",
+                             margin_t=fig.layout.margin.t + 40)
 
 
 def _recycling(lesson: Lesson) -> go.Figure:

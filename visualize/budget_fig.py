@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 
-from .palette import BLUE, GREY, ORANGE
+from .palette import BLUE, GREY, ORANGE, wrap
 
 if TYPE_CHECKING:
     from tr_core.events import StepEvent
@@ -90,11 +90,12 @@ def budget_figure(event: StepEvent) -> go.Figure:
             mark(ran, EXPLORED, ORANGE, "diamond", 14)
         else:
             mark(ran, CHOSEN, BLUE, "star", 18)
-    # two lines: the size, then why (a phone-width chart cuts a one-line title)
-    fig.update_layout(title=budget_title(event).replace(", ", ",<br>", 1), xaxis_title="draft nodes (tree size, root not counted)",
+    # the size, then why, wrapped to what a phone's 390 px hold (a longer line is cut there)
+    title = ",<br>".join(wrap(part, 40) for part in budget_title(event).split(", ", 1))
+    fig.update_layout(title=title, xaxis_title="draft nodes (tree size, root not counted)",
                       yaxis_title="expected tokens per second", height=360, plot_bgcolor="white",
                       xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
                       yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
                       legend=dict(orientation="h", yanchor="top", y=-0.28, x=0),  # below the axis title, clear of
-                      margin=dict(l=60, r=20, t=80, b=90))  # the two-line title
+                      margin=dict(l=60, r=20, t=40 + 20 * (title.count("<br>") + 1), b=90))
     return fig

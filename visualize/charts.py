@@ -50,7 +50,8 @@ def race_figure(runs: Mapping[str, Sequence[StepEvent]]) -> go.Figure:
                       yaxis_title="tokens produced", height=420, plot_bgcolor="white", hovermode="closest",
                       xaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
                       yaxis=dict(gridcolor="#EEEEEE", rangemode="tozero"),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0), margin=dict(l=60, r=20, t=80, b=50))
+                      # under the plot: above it, a phone's wrapped legend ran over the title
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0), margin=dict(l=60, r=20, t=80, b=110))
     return fig
 
 
@@ -311,7 +312,7 @@ def step_latency_figure(events: list, baseline_ms: float | None = None, title: s
             row=2, col=1)
     # Laid out for a phone as well as a laptop: the title wrapped, the legend under the plot with room for the
     # five rows it takes at 360 px (one at a laptop's width).
-    title = wrap(title or "Each decoding step: the tokens it added and the time it took", 48)
+    title = wrap(title or "Each decoding step: the tokens it added and the time it took", 36)  # 36 signs fit a phone's 390 px
     height = 560
     fig.update_layout(
         barmode="stack", height=height, plot_bgcolor="white", hovermode="closest", bargap=0.15,
