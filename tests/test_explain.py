@@ -259,13 +259,62 @@ def test_a_page_button_opens_its_page():
     outputs = [tab.index, tab.indicator, tab.text, tab.plot, tab.back, tab.forward, *tab.pages]
     for n in (4, 0, 8):
         [handler] = [f for f in demo.fns.values() if (tab.pages[n]._id, "click") in f.targets]
-        assert [c._id for c in handler.inputs] == [] and [c._id for c in handler.outputs] == [c._id for c in outputs]
-        index, heading, body, plot, back, forward, *buttons = handler.fn()
+        assert [c._id for c in handler.inputs] == [tab.narrow._id]
+        assert [c._id for c in handler.outputs] == [c._id for c in outputs]
+        index, heading, body, plot, back, forward, *buttons = handler.fn(False)
         assert index == n and f'data-page="{n + 1}"' in heading and PAGES[n].title in heading
         assert body == lesson.page_text(LESSON, n) and plot is lesson.page_figure(LESSON, n)
         assert (back.interactive, forward.interactive) == (n > 0, n < len(PAGES) - 1)
         assert [b.variant for b in buttons] == ["primary" if m == n else "secondary" for m in range(len(PAGES))]
     assert page_updates(LESSON, 3)[:3] == (3, indicator_html(3), lesson.page_text(LESSON, 3))
+
+
+def test_a_narrow_screen_gets_the_compact_figures():
+    """The page load tells the hidden checkbox whether the window is narrow; the page buttons then draw the compact
+    figure, and a change of the checkbox redraws the page shown."""
+    import gradio as gr
+
+    with gr.Blocks() as demo:
+        with gr.Tabs():
+            tab = build_tab(LESSON)
+    [load] = [f for f in demo.fns.values() if (demo._id, "load") in f.targets]
+    assert [c._id for c in load.outputs] == [tab.narrow._id] and "innerWidth" in load.js
+    [button] = [f for f in demo.fns.values() if (tab.pages[0]._id, "click") in f.targets]
+    plot = button.fn(True)[3]
+    assert plot is lesson.page_figure(LESSON, 0, compact=True)
+    assert plot.layout.title.text != lesson.page_figure(LESSON, 0).layout.title.text
+    [redraw] = [f for f in demo.fns.values() if (tab.narrow._id, "change") in f.targets]
+    assert redraw.fn(6, True) is lesson.page_figure(LESSON, 6, compact=True)
+    assert redraw.fn(6, False) is lesson.page_figure(LESSON, 6)
+
+
+def _title_lines(fig) -> list[str]:
+    return [re.sub(r"<[^>]+>", "", line) for line in str(fig.layout.title.text).split("<br>")]
+
+
+@pytest.mark.parametrize("i", range(len(PAGES)))
+def test_every_compact_figure_reads_at_phone_width(i):
+    """A phone's plot is about 330 px wide: the title's lines are short, a legend sits under the plot (the tree and
+    the matrix keep their own compact layout: legend between title and plot), panels are stacked."""
+    fig = lesson.page_figure(LESSON, i, compact=True)
+    assert fig.data and all(0 < len(line) <= 40 for line in _title_lines(fig)), _title_lines(fig)
+    assert fig.layout.margin.t >= 16 * len(_title_lines(fig))  # the title's lines fit above the plot
+    shown = [t for t in fig.data if t.showlegend is not False and t.name]
+    if shown and fig.layout.legend.yref != "container" and fig.layout.legend.y != 1:
+        assert fig.layout.legend.y < 0 and fig.layout.legend.orientation == "h"
+    axes = [fig.layout[name] for name in fig.layout if re.fullmatch(r"xaxis\d*", name)]
+    if PAGES[i].figure in (lesson._hot_run, lesson._hot_and_cold):  # two panels, one above the other
+        (x1, x2), (y1, y2) = axes, [fig.layout.yaxis, fig.layout.yaxis2]
+        assert x1.domain[1] - x1.domain[0] > 0.9 and x2.domain[1] - x2.domain[0] > 0.9
+        assert y2.domain[1] < y1.domain[0]
+        wide = lesson.page_figure(LESSON, i)
+        assert wide.layout.yaxis.domain == wide.layout.yaxis2.domain  # the wide layout keeps them side by side
+
+
+def test_the_compact_row_figure_is_the_same_row_as_a_column():
+    wide, compact = (lesson.page_figure(LESSON, TITLES.index(PAGES[1].title), c).data[0] for c in (False, True))
+    assert [row[0] for row in compact.customdata] == list(wide.customdata[0])
+    assert [row[0] for row in compact.z] == list(wide.z[0])
 
 
 # --- the matrix explorer --------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from visualize import label, visible
 from visualize.lesson_fig import is_empty
 from visualize.trace import TokenNamer
 
+NARROW_PX = 700  # a window narrower than this (a phone) gets the figures' compact layout, as in the Live tab
+
 from .lesson import PAGES, RUN_NAMES, Lesson, Trace, load_lesson, page_figure, page_text
 
 
@@ -148,16 +150,17 @@ class ExplainTab:
     forward: Any
     pages: list  # one button per page, numbered from 1
     explorer: Any
+    narrow: Any  # hidden: whether the browser's window is narrow (a phone), set on page load
 
 
-def page_updates(lesson: Lesson, index: int) -> tuple:
+def page_updates(lesson: Lesson, index: int, narrow: bool = False) -> tuple:
     """What showing page ``index`` writes, in the order of ``ExplainTab``'s fields up to ``pages``: the index, the
-    heading, the text, the figure, Previous and Next (enabled unless at an end), and each page button (the
-    current one marked)."""
+    heading, the text, the figure (its compact layout on a ``narrow`` screen), Previous and Next (enabled unless at
+    an end), and each page button (the current one marked)."""
     import gradio as gr
 
     i = clamp(index)
-    return (i, indicator_html(i), page_text(lesson, i), page_figure(lesson, i),
+    return (i, indicator_html(i), page_text(lesson, i), page_figure(lesson, i, narrow is True),
             gr.Button(interactive=i > 0), gr.Button(interactive=i < len(PAGES) - 1),
             *(gr.Button(variant="primary" if n == i else "secondary") for n in range(len(PAGES))))
 
@@ -179,6 +182,7 @@ def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
         gr.Markdown(EXPLAIN_INTRO.format(n=len(PAGES), model=meta["model"], prompt=meta["prompt"],
                                          tree=meta["tree"], k=meta["top_k"]), elem_id="explain-intro")
         index = gr.State(0)
+        narrow = gr.Checkbox(False, visible=False, elem_id="explain-narrow")
         with gr.Row(elem_id="explain-nav"):
             back = gr.Button("← Previous", size="sm", scale=0, min_width=110, interactive=False,
                              elem_id="explain-prev")
@@ -212,10 +216,13 @@ def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
 
         outputs = [index, indicator, text, plot, back, forward, *pages]
         quiet = dict(api_visibility="private", show_progress="hidden")
-        back.click(lambda i: page_updates(lesson, i - 1), index, outputs, **quiet)
-        forward.click(lambda i: page_updates(lesson, i + 1), index, outputs, **quiet)
+        back.click(lambda i, small: page_updates(lesson, i - 1, small), [index, narrow], outputs, **quiet)
+        forward.click(lambda i, small: page_updates(lesson, i + 1, small), [index, narrow], outputs, **quiet)
         for n, button in enumerate(pages):
-            button.click(lambda n=n: page_updates(lesson, n), None, outputs, **quiet)
+            button.click(lambda small, n=n: page_updates(lesson, n, small), narrow, outputs, **quiet)
+        # the browser says whether its window is narrow; the page shown (the first, on load) is drawn again for it
+        gr.context.Context.root_block.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", **quiet)
+        narrow.change(lambda i, small: page_figure(lesson, i, small is True), [index, narrow], plot, **quiet)
         token.input(lambda q, name: explorer_html(lesson, q, name), [token, run], table, **quiet)
         run.input(switch_run, run, [token, table], **quiet)
-    return ExplainTab(index, indicator, text, plot, back, forward, pages, table)
+    return ExplainTab(index, indicator, text, plot, back, forward, pages, table, narrow)

@@ -9,6 +9,7 @@ no model, and no torch.
 
     lesson = load_lesson()
     page_text(lesson, 2), page_figure(lesson, 2)      # page 3 of 9: retrieval
+    page_figure(lesson, 2, compact=True)              # laid out for a phone
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import plotly.graph_objects as go
 from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
 from tr_core.methods import METHODS
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
-from visualize.lesson_fig import children_ranks, passes_figure, retrieval_figure, row_figure, tree_size_table_figure
+from visualize.lesson_fig import (TITLE_CHARS, children_ranks, passes_figure, retitle, retrieval_figure, row_figure,
+                                  tree_size_table_figure)
 from visualize.trace import TokenNamer
 from visualize.palette import wrap
 from visualize.tree_layout import node_roles
@@ -48,7 +50,7 @@ class Lesson:
     cold: Trace
     acceptance: dict  # assets/acceptance/<model>.json
     featured: int  # the index in ``hot.events`` of the decoding step that pages 2-6 look at (``featured_step``)
-    figures: dict = field(default_factory=dict, repr=False)  # page index -> its figure, drawn once
+    figures: dict = field(default_factory=dict, repr=False)  # (page index, compact) -> its figure, drawn once
     benchmark: dict = field(default_factory=lambda: {"runs": []})  # assets/benchmarks/beyond_paper.json
 
     @property
@@ -209,9 +211,12 @@ def shown_methods(run: dict) -> list[str]:
     return [n for n in run["methods"] if n != "plain" and not n[3:].isdigit()]
 
 
-def _beyond_figure(lesson: Lesson) -> go.Figure:
-    runs = [{**r, "methods": {n: r["methods"][n] for n in shown_methods(r)}} for r in lesson.benchmark["runs"]]
-    return methods_figure(runs) if runs else go.Figure().update_layout(title="no benchmark summary shipped")
+def _beyond_figure(lesson: Lesson, compact: bool) -> go.Figure:
+    runs = [r for r in lesson.benchmark["runs"] if r.get("methods")]
+    if not runs:
+        return go.Figure().update_layout(title="no benchmark summary shipped")
+    fig = methods_figure(runs)
+    return retitle(fig, wrap(fig.layout.title.text, TITLE_CHARS)) if compact else fig
 
 
 def _interval(m: dict) -> str:
@@ -274,44 +279,74 @@ def _mat(events: list) -> float:
 class Page:
     title: str
     text: str  # Markdown with {fields} from ``facts``
-    figure: Callable[[Lesson], go.Figure]
+    figure: Callable[[Lesson, bool], go.Figure]  # (lesson, compact) -> the page's figure
 
 
-def _hot_run(lesson: Lesson) -> go.Figure:
-    fig = passes_figure({"hot": lesson.hot.events}, {"hot": "Token Recycling"})
-    return fig.update_layout(title=dict(text=f"the recorded run: “{escape(lesson.hot.meta['prompt'])}”",
-                                        font=dict(size=14)), margin=dict(t=90))
+def _titled(fig: go.Figure, title: str, compact: bool) -> go.Figure:
+    if compact:
+        return retitle(fig, wrap(title, TITLE_CHARS))
+    return fig.update_layout(title=dict(text=title, font=dict(size=14)), margin=dict(t=90))
 
 
-def _hot_and_cold(lesson: Lesson) -> go.Figure:
-    fig = passes_figure({"hot": lesson.hot.events, "cold": lesson.cold.events}, RUN_NAMES)
-    return fig.update_layout(title=dict(text="the same prompt, hot start against cold start", font=dict(size=14)),
-                             margin=dict(t=90))
+def _hot_run(lesson: Lesson, compact: bool) -> go.Figure:
+    fig = passes_figure({"hot": lesson.hot.events}, {"hot": "Token Recycling"}, compact)
+    return _titled(fig, f"the recorded run: “{escape(lesson.hot.meta['prompt'])}”", compact)
 
 
-def _mask(lesson: Lesson) -> go.Figure:
+def _hot_and_cold(lesson: Lesson, compact: bool) -> go.Figure:
+    fig = passes_figure({"hot": lesson.hot.events, "cold": lesson.cold.events}, RUN_NAMES, compact)
+    return _titled(fig, "the same prompt, hot start against cold start", compact)
+
+
+def _mask(lesson: Lesson, compact: bool) -> go.Figure:
     fig = mask_figure(lesson.event)
     n = len(lesson.event.tree_tokens)
     subtitle = "<span style='font-size:12px;color:#555'>row: the node that looks;<br>column: a node it may look at</span>"
     # wrapped for a phone's 390 px; the margin holds the title's lines above the column labels
     title = wrap(f"decoding step {lesson.event.step}: tree attention over the {n} nodes of the draft tree", 40)
+    if compact:
+        return retitle(fig, f"{title}<br>{subtitle}")
     return fig.update_layout(title_text=f"{title}<br>{subtitle}", title_y=0.99, title_yanchor="top",
                              margin_t=fig.layout.margin.t + 40)
 
 
-def _recycling(lesson: Lesson) -> go.Figure:
-    """Every row the decoding step rewrote (the hover has each whole token)."""
+def _rewrapped(title: str, first: str = "") -> str:
+    """A compact title of the shared figures (wrapped for a wider phone) wrapped again to ``TITLE_CHARS``: the
+    heading and its grey note (a ``<span>``) each on their own lines; ``first`` replaces the heading."""
+    head, _, note = title.partition("<span")
+    head = wrap(first or head.replace("<br>", " "), TITLE_CHARS)
+    if not note:
+        return head
+    style, _, note = note.partition(">")
+    note = wrap(note.removesuffix("</span>").replace("<br>", " "), TITLE_CHARS + 2)
+    return f"{head}<br><span{style}>{note}</span>"
+
+
+def _verification(lesson: Lesson, compact: bool) -> go.Figure:
+    fig = tree_figure(lesson.event, lesson.hot.text, compact=compact)
+    if not compact:
+        return fig
+    # the title says what the step did, then what it added: two paragraphs, each wrapped again
+    head, _, tail = fig.layout.title.text.replace("<br>", " ").partition(" added the text ")
+    tail = f"added the text {tail}" if tail else ""
+    return retitle(fig, wrap(head, TITLE_CHARS) + (f"<br>{wrap(tail, TITLE_CHARS)}" if tail else ""))
+
+
+def _recycling(lesson: Lesson, compact: bool) -> go.Figure:
+    """Every row the decoding step rewrote (the hover has each whole token; a phone shows the first few)."""
     e = lesson.event
-    fig = matrix_figure(e, lesson.hot.text, max_rows=len(e.rows_updated))
+    fig = matrix_figure(e, lesson.hot.text, max_rows=len(e.rows_updated), compact=compact)
+    if compact:
+        return retitle(fig, _rewrapped(fig.layout.title.text))
     return fig.update_layout(title_text=f"decoding step {e.step}: the {len(e.rows_updated)} adjacency-matrix rows it "
                                         "rewrote (accepted tokens first, bold)")
 
 
-def _tree_sizes(lesson: Lesson) -> go.Figure:
+def _tree_sizes(lesson: Lesson, compact: bool) -> go.Figure:
     meta = lesson.hot.meta
     sizes = [row["nodes"] for row in meta["tree_sizes"]]
     marks = {f"'{meta['tree']}' ({meta['tree_nodes']})": meta["tree_nodes"], f"paper ({max(sizes)})": max(sizes)}
-    return tree_size_table_figure(meta["tree_sizes"], marks)
+    return tree_size_table_figure(meta["tree_sizes"], marks, compact)
 
 
 KEY = "tokens per forward pass (bonus token included)"  # the one name of the key number
@@ -349,7 +384,7 @@ The last token is {root}, and its row, in the figure, lists what the model expec
 it. Its first {first_guesses} (green) become the first guesses.
 
 A row never filled is empty (all zeros): guesses drawn from it are useless, and only cost the work of checking
-them.""", lambda lesson: row_figure(lesson.event, lesson.hot.text)),
+them.""", lambda lesson, compact: row_figure(lesson.event, lesson.hot.text, compact)),
     Page("Retrieval: a tree of guesses, grown layer by layer", """\
 A single chain of guesses is fragile: once a guess is wrong, everything after it is wasted. So Token Recycling
 guesses a **draft tree**: several alternatives for the next token, and for each of them, alternatives for the
@@ -364,7 +399,8 @@ paper's tree, the rank-0 guess for the next token was accepted in {acc0:.0%} of 
 {acc1:.0%}, rank 2 in {acc2:.0%}.
 
 Growing the tree takes one table look-up per layer and no model at all. Drag the slider below the figure to build
-it layer by layer; hover over a node to see whose row it came from.""", lambda lesson: retrieval_figure(lesson.event)),
+it layer by layer; hover over a node to see whose row it came from.""",
+         lambda lesson, compact: retrieval_figure(lesson.event, compact)),
     Page("One pass checks every branch: tree attention", """\
 The whole tree goes through the model in **one forward pass**, laid out as one sequence: node by node, layer by
 layer ({nodes} tokens here), after the text written so far.
@@ -389,7 +425,7 @@ In decoding step {step} the model accepted {accepted} ({n_accepted}, blue) and a
 
 A pass always yields at least its bonus token, so Token Recycling never needs more passes than plain decoding, and
 every token it keeps is the model's own greedy choice: the text is the same.""",
-         lambda lesson: tree_figure(lesson.event, lesson.hot.text)),
+         _verification),
     Page("Recycling: every guess refreshes the table", """\
 The pass has computed the model's scores for the next token at **every** node of the tree, the rejected guesses
 included. Verification only needed the best one at each node; Token Recycling keeps the top {k} and writes them
@@ -465,8 +501,9 @@ def page_text(lesson: Lesson, index: int) -> str:
     return PAGES[index].text.format(**facts(lesson))
 
 
-def page_figure(lesson: Lesson, index: int) -> go.Figure:
-    """The figure of page ``index``, drawn once per lesson."""
-    if index not in lesson.figures:
-        lesson.figures[index] = PAGES[index].figure(lesson)
-    return lesson.figures[index]
+def page_figure(lesson: Lesson, index: int, compact: bool = False) -> go.Figure:
+    """The figure of page ``index``, drawn once per lesson and layout (``compact``: for a phone)."""
+    key = (index, compact)
+    if key not in lesson.figures:
+        lesson.figures[key] = PAGES[index].figure(lesson, compact)
+    return lesson.figures[key]
