@@ -118,7 +118,13 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     wait_for(page, "t => (document.querySelector('#tree-plot .gtitle')?.textContent || '').toLowerCase()"
                    ".includes(t)", 10, f"step {steps - 1} (tr, tree ")
     drawn = page.locator("#tree-plot .scatterlayer path.point").count()
-    assert drawn >= nodes + 1, (drawn, nodes)  # legend keys may add points of their own
+    # the figure's data: the nodes' points (the traces with a hover text) and the legend keys' one point each
+    in_data, keys = page.evaluate("""() => { const d = document.querySelector('#tree-plot .js-plotly-plot').data;
+        const nodes = d.filter(t => t.hovertext && t.hovertext.length).reduce((n, t) => n + t.x.length, 0);
+        const keys = d.filter(t => !t.ids && (t.mode || '').includes('markers') && t.x.length === 1).length;
+        return [nodes, keys]; }""")
+    assert in_data == nodes + 1, (in_data, nodes)  # every node of the template plus the bonus token
+    assert drawn == nodes + 1 + keys, (drawn, nodes, keys)
     assert page.locator("#matrix-plot .js-plotly-plot").count() == 1
     assert page.locator("#step-plot .js-plotly-plot").count() == 1  # each decoding step against plain decoding
     page.screenshot(path=shots / "03_finished.png", full_page=True)
