@@ -103,7 +103,6 @@ def test_one_slow_block_of_one_token_steps_does_not_lift_the_larger_sizes():
     times = {1: [[30.0, 30.0]] + [[20.0, 20.0]] * 4, 4: [[24.0, 24.0]] * 5, 8: [[30.0, 30.0]] * 5}
     curve = paired_curve(times)
     assert curve[1] == 20.0 and curve[4] == pytest.approx(24.0) and curve[8] == pytest.approx(30.0)
-    # the old estimator (each size's median, then a running maximum) gave 20 / 24 / 30 here too, but with three slow
-    # rounds of five it would have put t(1) at 30 and t(4) at 30; the paired ratios stay at 1.2 and 1.5
+    # three rounds of five in a slow spell (every size 1.5x): the ratio taken within each round stays 1.2
     slow = {1: [[30.0]] * 3 + [[20.0]] * 2, 4: [[36.0]] * 3 + [[24.0]] * 2}
     assert paired_curve(slow)[4] / paired_curve(slow)[1] == pytest.approx(1.2)
