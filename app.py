@@ -63,8 +63,9 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # offers WATCH_TREE, a tree to watch at work.
 DEFAULT_TREE = "auto"
 WATCH_TREE = "small"
-# exact: fp32, every output equals plain fp32 decoding up to float near-ties; fast: a separate copy of the model, loaded
-# on first use, in the half-precision format measured fastest on this machine (tr_core.layouts); the status says which
+# exact: fp32; fast: a separate copy of the model, loaded on first use, in the half-precision format measured fastest
+# here among the row-invariant ones (tr_core.layouts); in both every method's output equals plain decoding's in that
+# mode, token for token (tr_core/attention.py); the status says which format and whether this CPU allowed invariance
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
                 "notice", "step_plot", "watch")

@@ -62,6 +62,16 @@ def tree_size(status: str) -> int:
     return int(re.search(r"(\d+) draft nodes", status).group(1)) + 1
 
 
+def step_nodes(page, template: int) -> int:
+    """The nodes of the tree drawn now: the template's, or, where the step's rows reached the end of an attention
+    window (tr_core/attention.py), the template cut at that depth, which the title names and counts."""
+    title = page.locator("#tree-plot .gtitle").text_content()
+    if " cut at depth " not in title:
+        return template
+    drafted = re.search(r"of (\d+) draft tokens?", title)
+    return int(drafted.group(1)) + 1 if drafted else 1
+
+
 def wait_for(page, predicate: str, timeout_s: float, arg=None):
     return page.wait_for_function(predicate, arg=arg, timeout=timeout_s * 1000)
 
@@ -114,9 +124,12 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     assert int(counters["steps"]) == steps and int(counters["tokens"]) <= NEW_TOKENS
     assert float(counters["tokens_per_s"]) > 0
     # the drawn tree of the last step (plotly draws after the text arrives): every node of the template plus the
-    # bonus token
+    # bonus token; or, where the step's rows reached the end of an attention window (tr_core/attention.py), the
+    # template cut at that depth, which the title names and counts
     wait_for(page, "t => (document.querySelector('#tree-plot .gtitle')?.textContent || '').toLowerCase()"
                    ".includes(t)", 10, f"step {steps - 1} (tr, tree ")
+    template = nodes
+    nodes = step_nodes(page, template)
     drawn = page.locator("#tree-plot .scatterlayer path.point").count()
     # the figure's data: the nodes' points (the traces with a hover text) and the legend keys' one point each
     in_data, keys = page.evaluate("""() => { const d = document.querySelector('#tree-plot .js-plotly-plot').data;
@@ -124,7 +137,9 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
         const keys = d.filter(t => !t.ids && (t.mode || '').includes('markers') && t.x.length === 1).length;
         return [nodes, keys]; }""")
     assert in_data == nodes + 1, (in_data, nodes)  # every node of the template plus the bonus token
-    assert drawn == nodes + 1 + keys, (drawn, nodes, keys)
+    assert drawn == nodes + 1 + keys or wait_for(
+        page, "n => document.querySelectorAll('#tree-plot .scatterlayer path.point').length === n", 10,
+        nodes + 1 + keys), (drawn, nodes, keys)
     assert page.locator("#matrix-plot .js-plotly-plot").count() == 1
     assert page.locator("#step-plot .js-plotly-plot").count() == 1  # each decoding step against plain decoding
     page.screenshot(path=shots / "03_finished.png", full_page=True)
@@ -137,7 +152,12 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     wait_for(page, "() => /^(decoding )?step 1 /i.test(document.querySelector('#tree-plot .gtitle')?.textContent "
                    "|| '')", 15)
     assert page.locator("#answer .tr-current").get_attribute("data-step") == "1"
-    assert page.locator("#tree-plot .scatterlayer path.point").count() == drawn
+    wait_for(page, """n => { const d = document.querySelector('#tree-plot .js-plotly-plot').data;
+        const nodes = d.filter(t => t.hovertext && t.hovertext.length).reduce((k, t) => k + t.x.length, 0);
+        const keys = d.filter(t => !t.ids && (t.mode || '').includes('markers') && t.x.length === 1).length;
+        return nodes === n + 1 &&
+               document.querySelectorAll('#tree-plot .scatterlayer path.point').length === nodes + keys; }""", 10,
+             step_nodes(page, template))
     page.screenshot(path=shots / "04_step_1.png", full_page=True)
 
     # Play walks forward on its own; Pause stops it

@@ -1,4 +1,5 @@
-"""The lean Llama forward must compute what transformers' LlamaModel computes, bit for bit."""
+"""The lean Llama forward must compute what transformers' LlamaModel computes: bit for bit where it keeps torch's
+attention (float64), to float tolerance where it runs the batch-invariant attention (fp32; tr_core/attention.py)."""
 
 import pytest
 import torch
@@ -39,7 +40,11 @@ def test_lean_forward_equals_the_models_own_bit_for_bit(dtype, cache_kind):
     expected = _steps(model.base_model, model, make())
     got = _steps(LeanLlama(model), model, make())
     for e, g in zip(expected, got):
-        assert e.shape == g.shape and torch.equal(e, g)
+        assert e.shape == g.shape
+        if dtype == torch.float64:
+            assert torch.equal(e, g)
+        else:
+            torch.testing.assert_close(e, g, rtol=1e-5, atol=1e-5)
 
 
 def test_decoding_runs_the_lean_forward_only_where_it_applies():
@@ -63,4 +68,4 @@ def test_lean_forward_follows_linears_swapped_after_it_was_made():
         ids = torch.tensor([[1, 2, 3, 4]])
         want = model.base_model(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
         got = lean(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
-    assert torch.equal(want, got)
+    torch.testing.assert_close(want, got, rtol=1e-5, atol=1e-5)  # fp32: the batch-invariant attention

@@ -34,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="seed the matrix from the prompt's prefill logits (default: on)")
     p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model body: faster steps after 1.5-3 minutes per shape class of compiling")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; above 0: sample, with every method's output equal to plain sampling's "
                         "for the same --seed")
@@ -54,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
         sampling = Sampling(args.temperature, args.top_p, args.sample_top_k, args.seed)
         config = EngineConfig(method=args.method, tree=args.tree, top_k=args.top_k, seed_from_prompt=args.seed_prompt,
-                              mode=args.mode, compile=args.compile)
+                              mode=args.mode)
         engine = Engine.load(args.model, config)
         if args.matrix == "shipped":
             engine = engine.with_config(matrix_path=engine.shipped_matrix_path())

@@ -1,7 +1,7 @@
 """Spec-Bench benchmark: every method on the same questions, in rounds alternating the methods, in one process.
 
     python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
-                            [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast] [--compile]
+                            [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast]
                             [--out bench_out] [--temperatures 0,0.3,0.7,1.0 --seed 0]
 
 It writes ``results.json`` and ``report.md`` to ``--out``. The charts are drawn from ``results.json`` by
@@ -420,8 +420,6 @@ def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
                         "tree sizes)")
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model body for every method (minutes of compiling first; kernels.py)")
     p.add_argument("--fit-context", type=int, default=None,
                    help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
                         "over the questions' contexts, each its prompt plus half the new tokens)")
@@ -512,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
     questions = stratified(load_questions(args.questions), args.per_category)
-    base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode,
-                                                          compile=args.compile))
+    base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode))
     prompts = [encode_prompt(base.tokenizer, q.prompt) for q in questions]
     # the tree is fitted for the contexts these questions decode over: a typical step of each sees its prompt and
     # about half of its answer, and t(N) is averaged over them (a step's cost is not linear in its context)
@@ -525,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     curve = context_curve(base.model, fit_context, remeasure=True)
     runners = build_runners(base, methods, hot, samplings[0])
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    print(f"mode {mode_dtype(args.mode, base.model)[1]}{', compiled body' if args.compile else ''}; "
+    print(f"mode {mode_dtype(args.mode, base.model)[1]}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
@@ -574,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = list(dict.fromkeys(q.category for q in questions))
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode, "compiled": args.compile, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
+        "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "sampling": (samplings[0] or Sampling()).describe(),
@@ -640,9 +637,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace) -> str:
     """report.md: the speedup tables (overall, each category, each pair of methods), where the time went, the fitted
     trees' predictions against what was measured, accepted lengths and first differences from plain."""
-    compiled = ", compiled body" if args.compile else ""
     n = results["config"]["questions"]
-    lines = [f"# Spec-Bench, {n} questions, {args.max_new_tokens} new tokens, mode {args.mode}{compiled}, "
+    lines = [f"# Spec-Bench, {n} questions, {args.max_new_tokens} new tokens, mode {args.mode}, "
               f"{args.rounds} round(s)", "",
               f"Each question decoded {args.rounds} time(s) by every method, the methods alternated in each round and "
               "the order rotated between rounds; a method's time on a question is its median round. Speedup: the "

@@ -27,7 +27,8 @@ from transformers import PreTrainedModel
 
 from .assets import ACCEPTANCE_DIR, acceptance_path
 from .decoding import _max_positions, _tree_mask
-from .kernels import OutputHead, body, grouped_query_attention_in_sdpa, is_compiled, plan_of
+from .attention import BLOCK
+from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
 from .layouts import cpu_name
 from .kv import new_cache
 from .models import default_cache_dir
@@ -41,7 +42,6 @@ def machine_key(model: PreTrainedModel) -> str:
     # bump the version when the forward path changes
     plan = plan_of(model)
     kernels = "gqa-lean-" + (plan.tag() if plan is not None else "torch")
-    kernels += "-compiled" if is_compiled(model) else ""
     device = model.device.type if model.device.type != "cpu" else cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
@@ -68,7 +68,11 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     max_pos = _max_positions(model)
     if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
         prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
-    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired.json"
+    windowed = window(body(model)) is not None  # the batch-invariant attention (attention.py)
+    if windowed and prefix >= BLOCK:  # the root at a window's start: every tree's depth fits in its window
+        prefix = prefix // BLOCK * BLOCK
+    attention = "-invariant" if windowed else ""
+    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired{attention}.json"
     if use_cache_file and path.is_file() and not remeasure:
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
         if all(n in cached for n in sizes):
@@ -80,9 +84,9 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
     ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-    cache = new_cache(model.config, prefix + max(sizes), model.dtype, device)  # as decoding does
     base, head = body(model), OutputHead(model)
-    base(input_ids=ctx, cache=cache, use_cache=True)
+    cache = new_cache(model.config, prefix + max(sizes), cache_dtype(base, model.dtype), device)  # as decoding does
+    feed(base, ctx[0], cache)
     steps = []
     for n in sizes:
         tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
@@ -336,12 +340,55 @@ def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> 
     for fmt, steps in plan.step_ms.items():
         lines.append(f"  step ms, {fmt} (linear layers, best layouts): "
                      + ", ".join(f"{r}: {ms:.1f}" for r, ms in sorted(steps.items())))
+    from .kernels import describe_invariance
+    lines.append(f"  {describe_invariance(plan)}")
     return "\n".join(lines)
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's memory read bandwidth in GB/s as torch sees it: the fastest of ``repeats`` sums over ``gib``
+    GiB of fp32 (larger than any CPU cache), on torch's threads."""
+    x = torch.ones(int(gib * 2**28))
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
+    """Bytes of weights one decoding step streams in format ``fmt`` (``"fp32"``: 4 a value, ``"fp16"``/``"bf16"``:
+    2): every linear layer of the body and the output layer (the input embedding reads one row a token)."""
+    from .layouts import linear_shapes
+
+    size = 4 if fmt == "fp32" else 2
+    return sum(layer.weight.numel() * size for layers in linear_shapes(model).values() for layer in layers)
+
+
+def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
+    """One line: ``mode``'s plain (one-token) step on this machine against the time its weights take to stream at
+    ``bandwidth_gbs`` (the step's memory limit). Prepares a copy of ``model`` (fp32, unprepared) in the mode."""
+    import copy
+
+    from .kernels import plan_of, prepare_model
+
+    prepared = copy.deepcopy(model)
+    prepare_model(prepared, mode)
+    plan = plan_of(prepared)
+    fmt = plan.fmt if plan is not None else "fp32"
+    step = measure_forward_ms(prepared, sizes=(1, 16), use_cache_file=False)
+    size = weight_bytes(model, fmt)
+    stream = size / bandwidth_gbs / 1e6
+    return (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
+            f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
+            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tr_core.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this machine
-    for the embedded model."""
+    for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
+    plain step against the time its weights take to stream."""
     import argparse
 
     from .kernels import MODES
@@ -358,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = load_model(args.model, dtype=torch.float32)
     for mode in args.mode or MODES:
         print(show_kernels(model, mode, remeasure=args.remeasure))
+    bandwidth = read_bandwidth_gbs()
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s (a sum over 1 GiB, {torch.get_num_threads()} threads)")
+    for mode in args.mode or MODES:
+        print(show_limits(model, mode, bandwidth))
     return 0
 
 

@@ -28,10 +28,11 @@ from transformers import DynamicCache, PreTrainedModel
 from .drafters import Drafter
 from .events import Rates, RowUpdate, StepEvent
 from .kv import keep_accepted_path, new_cache
-from .kernels import OutputHead, body, grouped_query_attention_in_sdpa
+from .attention import window_room
+from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, window
 from .sampling import Sampler, Sampling, draft_probabilities
 from .text import TokenText
-from .tree import TreeBuffers, chain_tree
+from .tree import TreeBuffers, chain_tree, cut_depth
 
 
 @dataclass
@@ -153,7 +154,7 @@ def prefill(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, ids: t
     per distinct prompt token, at its last occurrence, in chunks of 256."""
     if ids.numel() == 0:
         return
-    hidden = base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+    hidden = feed(base, ids, cache)
     if drafter.wants_prefill_logits:
         # what overwriting row after row in sequence order would leave, for the output layer and top-k of fewer
         # positions, in chunks to bound the peak
@@ -210,6 +211,9 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     budget, estimates = drafter.budget_report()
     if max_pos is not None and past_len + tree.max_depth >= max_pos:
         tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
+    if window(base) is not None and tree.max_depth > window_room(past_len):
+        # the step's rows must lie in one attention window (attention.py): the draft is cut at its end
+        tokens, tree = cut_depth(tokens, tree, window_room(past_len))
     if tree.parents.device != device:
         tree = tree.to(device)
     positions = (past_len + tree.depth.to(device))[None]
@@ -316,7 +320,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     seq = torch.empty(length + max_new_tokens, dtype=torch.long, device=device)
     seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
     # room for the whole output and a large tree, so that the cache never copies itself while decoding
-    cache = new_cache(model.config, length + max_new_tokens + 128, dtype, device)
+    cache = new_cache(model.config, length + max_new_tokens + 128, cache_dtype(base, dtype), device)
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling)
     how = (sampling or Sampling()).describe()
     started = time.perf_counter()

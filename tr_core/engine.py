@@ -37,7 +37,7 @@ from .sampling import Sampling
 from .text import TokenText
 from .calibrate import (DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, context_curve, has_acceptance_stats,
                         interpolate, model_slug)
-from .kernels import MODES, OutputHead, compile_body, mode_dtype, prepare_model
+from .kernels import MODES, OutputHead, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
 TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
@@ -57,7 +57,6 @@ class EngineConfig:
     fit_context: int | tuple[int, ...] = DEFAULT_FIT_CONTEXT  # "auto" trees: the context length (tokens) t(N) is
     #                     calibrated on, or several, to fit on t(N) averaged over them (calibrate.context_curve)
     mode: str = "exact"  # "exact" (fp32) or "fast" (fp16 weights on x86 CPUs, else bf16); see kernels.py
-    compile: bool = False  # torch.compile the model body: faster steps after minutes of compiling (kernels.py)
     pld_max_ngram: int = 3
     pld_max_draft: int = 10
 
@@ -113,8 +112,6 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
-        if config.compile:
-            compile_body(model)  # before the tree is fitted: t(N) is calibrated on the compiled body
         self.head = OutputHead(model)
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
@@ -184,8 +181,6 @@ class Engine:
         if "mode" in changes and changes["mode"] != self.config.mode:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
-        if config.compile:
-            compile_body(self.model)
         engine = Engine.__new__(Engine)
         engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head = (
             self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head)

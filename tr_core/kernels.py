@@ -1,16 +1,19 @@
 """The two numeric modes, for every method alike (plain decoding runs in the same mode as the one it is compared
 with), and the matmul kernels each runs on:
 
-- ``exact``: fp32, the model's own numerics; outputs equal plain fp32 decoding up to float near-ties.
+- ``exact``: fp32, the model's own numerics.
 - ``fast``: a decoding step on a CPU is memory-bound (every weight is streamed once per step), so the fast mode may
   store the weights in half the bytes: fp16 weights with fp32 activations and arithmetic (fbgemm; each weight rounded
   once, a relative change of at most 2^-11), or bf16 weights and activations where the CPU has AVX-512 BF16 or AMX
   (activations rounded too). Which one, if either, is chosen by measurement (``layouts.choose_format``).
 
-In both modes each linear layer (``ChosenLinear``) and the output layer (``OutputHead``) compute each call with the
-matmul layout timed fastest on this machine for that shape and row count (``layouts.py``: F.linear, (W @ x^T)^T,
-x @ W^T from a transposed copy, oneDNN-prepacked, fbgemm fp16). The timings are taken once per machine, thread count,
-model and mode and cached; ``kernel_table`` and ``kernel_summary`` show the choice.
+In both modes each linear layer (``ChosenLinear``) and the output layer (``OutputHead``) compute every row count with
+one matmul layout per shape (``layouts.py``: F.linear, (W @ x^T)^T, x @ W^T from a transposed copy, oneDNN-prepacked,
+fbgemm fp16; a one-row call possibly on two rows), the fastest of those found *row-invariant* on this machine: a
+row's result is the same bits whatever rows are computed with it, so a token's logits are the same in a plain step,
+a draft tree and a prefill, and every method's output is plain decoding's in either mode (with the attention of
+``attention.py``). The timings and the invariance check are made once per machine, thread count, model and mode and
+cached; ``kernel_table``, ``kernel_summary`` and ``describe_format`` show the choice.
 """
 
 from __future__ import annotations
@@ -78,7 +81,23 @@ def _format_name(fmt: str) -> str:
 def describe_format(plan: KernelPlan) -> str:
     """``"exact: fp32"`` or, for the fast mode, which format it runs and why, e.g. ``"fast: bf16 (AMX), chosen by
     measurement: linear layers 1.9x faster than fp16 weights, 2.8x than fp32 (steps of 1-16 tokens, geometric
-    mean)"``: the ratios ``layouts.choose_format`` chose by."""
+    mean)"``: the ratios ``layouts.choose_format`` chose by; then whether a row's numbers are the same alone, in a
+    tree and in a prefill (``describe_invariance``)."""
+    return f"{_describe_format(plan)}; {describe_invariance(plan)}"
+
+
+def describe_invariance(plan: KernelPlan) -> str:
+    """Whether the plan's kernels give a row the same bits whatever rows go with it, checked on this machine (what
+    makes every method's output plain decoding's), and which layouts it excluded for not doing so."""
+    dropped = sorted({LAYOUTS[n].label for names in plan.excluded.values() for n in names})
+    left_out = f" (left out as row-dependent here: {', '.join(dropped)})" if dropped else ""
+    if plan.invariant:
+        return f"batch-invariant: each row's numbers are the same alone, in a tree or in a prefill{left_out}"
+    return ("NOT batch-invariant on this CPU: no layout of the format gave a row the same bits at every row count, "
+            "so a tree step may decide a float near-tie differently from plain decoding")
+
+
+def _describe_format(plan: KernelPlan) -> str:
     if plan.mode == "exact":
         return "exact: fp32"
     mine = plan.step_ms[plan.fmt]
@@ -137,7 +156,7 @@ def _dispatch(plan: KernelPlan, shape: str, weight: torch.Tensor) -> tuple[list,
     """Per row count 0..max timed rows, the (run, packed weight) to call; and the one for more rows. Packs only what
     the chosen layouts need (one copy per layout)."""
     packs: dict[str, torch.Tensor] = {}
-    large = _runner(layouts.DEFAULT_LAYOUT[plan.fmt], weight, packs)
+    large = _runner(plan.layout_for(shape, max(plan.rows) + 1), weight, packs)
     table = [large]
     for r in range(1, max(plan.rows) + 1):
         name = plan.layout_for(shape, r)
@@ -165,7 +184,7 @@ class ChosenLinear(nn.Module):
             self.weight, self.bias = linear.weight, linear.bias
         self._table, self._large = _dispatch(plan, f"{self.out_features}x{self.in_features}", weight)
         shape = f"{self.out_features}x{self.in_features}"
-        self.layouts = sorted({plan.layout_for(shape, r) for r in plan.rows} | {layouts.DEFAULT_LAYOUT[plan.fmt]})
+        self.layouts = sorted({plan.layout_for(shape, r) for r in plan.rows} | {plan.layout_for(shape, 10**6)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -311,35 +330,14 @@ def kernel_summary(model: nn.Module) -> str:
             f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads)")
 
 
-def compile_body(model: nn.Module, backend: str = "inductor") -> None:
-    """Compile ``model.base_model`` with ``torch.compile`` (dynamic shapes) for every later decoding step.
-
-    Most of a small model's decoding step on a CPU is not matmul: it is the Python and dispatch work of ~30 layers'
-    small ops, which compilation fuses. On the embedded model (fp32, 2 cores), one run measured a one-token forward at
-    40-45 ms compiled against 64-66 eager, and a 4-node tree at 50 against 73. The price is the first call of each
-    shape class (one token; several tokens; several with a tree mask): 1.5-3 minutes each on 2 cores, cached on disk
-    by inductor for later processes. Idempotent; see ``body``. (``backend="eager"`` traces without generating code:
-    the tests use it to check the wiring cheaply.)
-    """
-    if model not in _COMPILED:
-        _COMPILED[model] = torch.compile(model.base_model, dynamic=True, backend=backend)
-
-
-# model -> its compiled body; kept beside the model, not in it, so its modules and state dict stay as loaded
-_COMPILED: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
-
-
 # model -> its lean forward (lean.LeanLlama), made on first use
 _LEAN: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
 def body(model: nn.Module):
-    """What a decoding step runs: the compiled base model after ``compile_body``; else, for a Llama-family model on
-    the CPU, ``lean.LeanLlama`` (the same operations without transformers' per-call machinery: ~15% of a one-token
-    step of the embedded model); else ``model.base_model``. All three are called alike."""
-    compiled = _COMPILED.get(model)
-    if compiled is not None:
-        return compiled
+    """What a decoding step runs: for a Llama-family model on the CPU, ``lean.LeanLlama`` (the same operations
+    without transformers' per-call machinery, ~15% of a one-token step of the embedded model, and the batch-invariant
+    attention); else ``model.base_model``. Both are called alike."""
     lean = _LEAN.get(model)
     if lean is None:
         from .lean import LeanLlama, supports
@@ -348,5 +346,34 @@ def body(model: nn.Module):
     return lean
 
 
-def is_compiled(model: nn.Module) -> bool:
-    return model in _COMPILED
+def window(base) -> int | None:
+    """The positions one forward pass of ``base`` (what ``body`` returned) may span: ``attention.BLOCK`` where its
+    rows are computed alike alone and among others (the lean forward on a machine where ``attention.batch_invariant``
+    holds), None where any rows may go together (and rows are not promised to be batch-invariant)."""
+    from .lean import LeanLlama
+
+    return base.window if isinstance(base, LeanLlama) else None
+
+
+def cache_dtype(base, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV cache ``base`` reads: fp32 for the batch-invariant attention (computed in fp32 whatever
+    the model's format), else the model's ``dtype``."""
+    return torch.float32 if window(base) is not None else dtype
+
+
+def feed(base, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Run ``ids`` (p,), the tokens after the cache's, into ``cache``; returns their final hidden states (p, d).
+    Where ``base`` has a ``window``, in chunks that end at its window boundaries (every row then attends in its own
+    window), so a token's hidden state is the same whatever prefill or step computed it."""
+    size = window(base)
+    past = cache.get_seq_length()
+    if size is None:
+        return base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+    out, done = [], 0
+    while done < ids.numel():
+        end = min(ids.numel(), (past + done) // size * size + size - past)
+        positions = torch.arange(past + done, past + end, device=ids.device)[None]
+        out.append(base(input_ids=ids[None, done:end], position_ids=positions, cache=cache,
+                        use_cache=True).last_hidden_state[0])
+        done = end
+    return torch.cat(out) if len(out) > 1 else out[0]

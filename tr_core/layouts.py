@@ -24,7 +24,7 @@ import math
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -47,7 +47,7 @@ FORMATS = ("fp32", "fp16", "bf16")
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
 # bump when the measuring or the candidates change: cached timings of another version are measured again
-VERSION = 2
+VERSION = 3
 
 
 def cpu_has_native_bf16() -> bool:
@@ -211,6 +211,44 @@ def mode_formats(mode: str) -> tuple[str, ...]:
 Timings = Mapping[tuple[str, int, str], float]  # (shape, rows, layout) -> ms of one call (one layer)
 
 
+def choose_families(timings: Timings, available: Iterable[str],
+                    invariant: Mapping[str, Iterable[str]]) -> dict[tuple[str, int], str]:
+    """Per shape, one *family* for every row count: a layout, or (``"<layout>@2"``) the layout with a one-row call
+    computed on two rows (zero row added), among those ``invariant[shape]`` names (found row-invariant on this
+    machine: ``row_invariant``): the fastest over the timed row counts up to ``FORMAT_MAX_ROWS`` (geometric mean; a
+    tie within ``TIE`` to the unpadded family, then the layout earlier in ``LAYOUTS``). Returns the choice per
+    (shape, rows) like ``choose_layouts``; a shape with no invariant family timed is left out.
+
+    >>> t = {("8x8", 1, "linear"): 1.0, ("8x8", 2, "linear"): 2.0, ("8x8", 1, "onednn"): 3.0, ("8x8", 2, "onednn"): 1.0}
+    >>> choose_families(t, ("linear", "onednn"), {"8x8": ["onednn", "onednn@2"]})
+    {('8x8', 1): 'onednn@2', ('8x8', 2): 'onednn'}
+    """
+    available = set(available)
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    shapes = sorted({shape for shape, _, _ in timings})
+    chosen = {}
+    for shape in shapes:
+        rows = sorted({r for sh, r, name in timings if sh == shape and name in available})
+        scored = [r for r in rows if r <= FORMAT_MAX_ROWS] or rows
+        costs = {}
+        for family in invariant.get(shape, ()):
+            base, padded = base_layout(family), PAD in family
+            if base not in available or not all((shape, r, base) in timings for r in rows):
+                continue
+            if padded and 2 not in rows:
+                continue
+            ms = [timings[(shape, 2 if padded and r == 1 else r, base)] for r in scored]
+            costs[family] = statistics.fmean(math.log(m) for m in ms)
+        if not costs:
+            continue
+        best = min(costs.values())
+        near = [f for f, c in costs.items() if c <= best + math.log1p(TIE)]
+        family = min(near, key=lambda f: (PAD in f, order.get(base_layout(f), len(order))))
+        for r in rows:
+            chosen[(shape, r)] = family if r == 1 else base_layout(family)
+    return chosen
+
+
 def choose_layouts(timings: Timings, available: Iterable[str]) -> dict[tuple[str, int], str]:
     """For each (shape, rows) timed, the fastest available layout, also computed on more rows (up to twice as many,
     zero rows added: ``"<layout>@<rows>"``) where that is faster; a tie (within ``TIE``) goes to the layout earlier in
@@ -248,12 +286,12 @@ def choose_layouts(timings: Timings, available: Iterable[str]) -> dict[tuple[str
 
 
 def format_step_ms(timings: Timings, counts: Mapping[str, int], fmt: str,
-                   available: Iterable[str]) -> dict[int, float]:
+                   available: Iterable[str], invariant: Mapping[str, Iterable[str]] | None = None) -> dict[int, float]:
     """The linear layers' time of one model step (ms) at each timed row count, in format ``fmt`` with its best
     layouts: sum over shapes of (layers of that shape) x (the chosen layout's time). Row counts where some shape has
     no timed layout of the format are left out."""
     mine = {name for name in available if name in LAYOUTS and LAYOUTS[name].fmt == fmt}
-    chosen = choose_layouts(timings, mine)
+    chosen = choose_layouts(timings, mine) if invariant is None else choose_families(timings, mine, invariant)
     rows = sorted({r for _, r in chosen})
     step = {}
     for r in rows:
@@ -263,7 +301,8 @@ def format_step_ms(timings: Timings, counts: Mapping[str, int], fmt: str,
 
 
 def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable[str],
-                  available: Iterable[str]) -> tuple[str, dict[str, dict[int, float]]]:
+                  available: Iterable[str], invariant: Mapping[str, Iterable[str]] | None = None
+                  ) -> tuple[str, dict[str, dict[int, float]]]:
     """The format (of ``formats``) with the least total model-step time over the row counts decoding uses, and every
     candidate format's step times. Totals compare as a geometric mean over the row counts (each row count weighs as
     a relative speed: a format twice as fast at 81 rows and 10% slower at 1 is not judged by the 81 alone); only
@@ -276,7 +315,7 @@ def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable
     'fp16'
     """
     available = tuple(available)
-    steps = {fmt: format_step_ms(timings, counts, fmt, available) for fmt in formats}
+    steps = {fmt: format_step_ms(timings, counts, fmt, available, invariant) for fmt in formats}
     steps = {fmt: s for fmt, s in steps.items() if s}
     if not steps:
         raise ValueError("no format has timings for every shape")
@@ -381,6 +420,56 @@ def machine_busy(samples: list[int]) -> bool:
     return bool(samples) and statistics.median(samples) > torch.get_num_threads() + 1
 
 
+# --- row invariance: which layouts give a row the same bits whatever rows go with it ------------------------------
+
+def _cancelling_probe(out_features: int, in_features: int, dtype: torch.dtype, rows: int,
+                      g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight (out, in) and ``rows`` inputs (rows, in) in ``dtype`` whose products cancel: a quarter of the input
+    columns are large values, another quarter their exact negatives (the weight equal on both), the rest small. The
+    exact result is small, while partial sums are large, so any change in the order of accumulation shows in the
+    rounded result (also after rounding to bf16, which hides most of the ordinary last-bit differences)."""
+    q = in_features // 4
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    w[:, q:2 * q] = w[:, :q]
+    x = (torch.randn(rows, in_features, generator=g) * 2.0 ** -6).to(dtype)
+    big = (torch.randn(rows, q, generator=g) * 2.0 ** 10).to(dtype)
+    x[:, :q], x[:, q:2 * q] = big, -big
+    return w, x
+
+
+@torch.inference_mode()
+def row_invariant(shapes: Mapping[str, tuple[int, int]], layouts: Iterable[str],
+                  rows: Iterable[int] = ROW_COUNTS) -> dict[str, list[str]]:
+    """For each linear shape (``shapes``: its key -> ``(out, in)``), the families of ``layouts`` whose result for a
+    row is bit for bit the same for every row count in ``rows``: ``"<layout>"`` (one row computed as one row) and
+    ``"<layout>@2"`` (one row computed on two, a zero row added). Checked on this machine with inputs whose sums
+    cancel (``_cancelling_probe``): the first rows' results at each row count against the largest count's."""
+    rows = sorted(set(rows))
+    most = rows[-1]
+    g = torch.Generator().manual_seed(0)
+    found: dict[str, list[str]] = {}
+    for key, (out_features, in_features) in shapes.items():
+        found[key] = []
+        probes = {}
+        for name in layouts:
+            layout = LAYOUTS[name]
+            dtype = FORMAT_DTYPE[layout.fmt]
+            if dtype not in probes:
+                probes[dtype] = _cancelling_probe(out_features, in_features, dtype, most, g)
+            w, x = probes[dtype]
+            packed = layout.pack(w)
+            full = layout.run(x, packed)
+            steady = all(torch.equal(layout.run(x[:r].contiguous(), packed)[:3], full[:min(r, 3)])
+                         for r in rows if 2 <= r < most)
+            if not steady:
+                continue
+            if torch.equal(layout.run(x[:1].contiguous(), packed)[0], full[0]):
+                found[key].append(name)
+            if torch.equal(layout.run(torch.cat([x[:1], torch.zeros_like(x[:1])]), packed)[0], full[0]):
+                found[key].append(f"{name}{PAD}2")
+    return found
+
+
 # --- the plan: cached timings and the choice made from them -------------------------------------------------------
 
 @dataclass
@@ -395,13 +484,18 @@ class KernelPlan:
     timings: dict[str, dict[int, dict[str, float]]]  # shape -> rows -> layout -> ms of one call
     step_ms: dict[str, dict[int, float]]  # format -> rows -> the linear layers' ms of one step (best layouts)
     source: str = "measured here"  # or "cached": measured by an earlier process on this machine
+    # whether every shape runs one row-invariant family (a row's result the same whatever rows go with it), and the
+    # layouts found row-dependent here, per format (what the chooser excluded)
+    invariant: bool = False
+    excluded: dict[str, list[str]] = field(default_factory=dict)
 
     def layout_for(self, shape: str, rows: int) -> str:
-        """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them F.linear."""
+        """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
+        count's layout where the plan is row-invariant, else the format's F.linear."""
         for r in self.rows:
             if r >= rows:
                 return self.layouts[shape][r]
-        return DEFAULT_LAYOUT[self.fmt]
+        return base_layout(self.layouts[shape][self.rows[-1]]) if self.invariant else DEFAULT_LAYOUT[self.fmt]
 
     def tag(self) -> str:
         """A short name of the choice, for cache keys of what depends on it (e.g. t(N))."""
@@ -410,18 +504,38 @@ class KernelPlan:
 
 
 def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available: Iterable[str],
-              source: str = "measured here") -> KernelPlan:
+              source: str = "measured here", invariant: Mapping[str, Iterable[str]] | None = None) -> KernelPlan:
     """The plan for ``mode`` from timings (pure): the format by ``choose_format``, then per shape and row count the
-    fastest layout of that format (``choose_layouts``)."""
+    fastest layout of that format (``choose_layouts``). Given ``invariant`` (shape -> the families found
+    row-invariant here, ``row_invariant``), only formats where every shape has such a family compete, and each
+    shape runs its fastest family at every row count (``choose_families``); where no format has one for every
+    shape, the plan falls back to the fastest layouts and says it is not row-invariant."""
     available = tuple(available)
-    fmt, steps = choose_format(timings, counts, mode_formats(mode), available)
-    chosen = choose_layouts(timings, [n for n in available if LAYOUTS[n].fmt == fmt])
+    formats = mode_formats(mode)
+    steady = None
+    if invariant is not None:
+        whole = [f for f in formats if set(choose_families(
+            timings, [n for n in available if LAYOUTS[n].fmt == f], invariant)) >= {
+            (sh, r) for sh, r, n in timings if n in available and LAYOUTS[n].fmt == f}]
+        if whole:
+            formats, steady = tuple(whole), invariant
+    fmt, steps = choose_format(timings, counts, formats, available, steady)
+    mine = [n for n in available if LAYOUTS[n].fmt == fmt]
+    chosen = choose_layouts(timings, mine) if steady is None else choose_families(timings, mine, steady)
     rows = tuple(sorted({r for _, r in chosen}))
     layouts = {s: {r: chosen[(s, r)] for r in rows} for s in counts}
     table: dict[str, dict[int, dict[str, float]]] = {}
     for (s, r, name), ms in timings.items():
         table.setdefault(s, {}).setdefault(r, {})[name] = ms
-    return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source)
+    excluded = {}
+    if invariant is not None:
+        for f in mode_formats(mode):
+            names = [n for n in available if LAYOUTS[n].fmt == f]
+            bad = sorted({n for n in names for sh in counts if n not in invariant.get(sh, ())
+                          and f"{n}{PAD}2" not in invariant.get(sh, ())})
+            if bad:
+                excluded[f] = bad
+    return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source, steady is not None, excluded)
 
 
 def cache_key(model: nn.Module, mode: str) -> str:
@@ -451,17 +565,25 @@ def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     if use_cache_file and not remeasure and path.is_file():
         data = json.loads(path.read_text())
         timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"]}
-        return make_plan(mode, timings, counts, data["available"], source="cached")
+        return make_plan(mode, timings, counts, data["available"], source="cached", invariant=data["invariant"])
+    invariant = row_invariant(_shape_sizes(model), layouts)
     timings, busy = measure(model, layouts, report_busy=True, **measure_kw)
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
         # time slice while other processes ran): used by this process, measured again by the next
-        return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached")
+        return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached",
+                         invariant=invariant)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                                    "invariant": invariant,
                                     "timings": [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]},
                                    indent=0))
-    return make_plan(mode, timings, counts, layouts)
+    return make_plan(mode, timings, counts, layouts, invariant=invariant)
+
+
+def _shape_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The model's linear shapes (``linear_shapes``' keys) as (out, in), the output layer's too."""
+    return {s: (ls[0].out_features, ls[0].in_features) for s, ls in linear_shapes(model).items()}
 
 
 def plan_data(plan: KernelPlan) -> dict:

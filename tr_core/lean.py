@@ -6,7 +6,10 @@ token) the linear layers took ~14 ms of a ~38 ms step; much of the rest was Pyth
 through ``nn.Module.__call__``, the keyword-argument decorators of every attention and decoder layer, the output
 capturing of the model, mask preparation. ``LeanLlama`` runs the layers' own weights and kernels (``q_proj.forward``
 and so on, so the linears' kernels chosen by ``kernels.prepare_model`` are used as they are) with the same
-tensor operations, so its hidden states equal the model's bit for bit (tested against ``generate``).
+tensor operations but one: for fp32 and bf16 models, attention is ``attention.attend`` (fp32, each row computed
+alike whatever rows go with it) instead of torch's SDPA, so hidden states equal the model's to float tolerance and a
+token's are bit for bit the same in a plain step, a tree and a prefill. Other dtypes (the float64 test models) keep
+SDPA and equal the model's bit for bit (tested against ``generate``).
 
 It takes the model only where its decoder layers are transformers' own Llama ones (``supports``); any other model
 runs its own forward.
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from . import attention
 
 
 def supports(model: nn.Module) -> bool:
@@ -77,6 +82,15 @@ class LeanLlama:
         self.scaling = first.scaling
         self.gqa = self.heads != self.kv_heads
 
+    @property
+    def window(self) -> int | None:
+        """``attention.BLOCK`` where rows are computed alike alone and among others (``attention.py``: fp32 and bf16
+        models, where this machine's kernels allow it): then a forward pass's rows must lie in one window of that
+        many positions, and the cache holds fp32. None for other dtypes (float64 tests keep torch's SDPA)."""
+        if self.embed.weight.dtype in (torch.float32, torch.bfloat16) and attention.batch_invariant():
+            return attention.BLOCK
+        return None
+
     def _layers(self):
         # looked up at every call (a few microseconds), so that layers swapped later (kernels.apply_plan) are the
         # ones used
@@ -97,6 +111,13 @@ class LeanLlama:
         hidden = self.embed(input_ids)
         if position_ids is None:
             position_ids = (torch.arange(n, device=hidden.device) + past)[None]
+        rows = None
+        if batch == 1 and self.window is not None:
+            visible = None
+            if attention_mask is not None:
+                visible = attention_mask[0, 0, :, past:]
+                visible = visible if visible.dtype == torch.bool else visible == 0
+            rows = attention.row_keys(past, position_ids[0], visible)
         is_causal = False
         mask = attention_mask
         if mask is None and n > 1:
@@ -118,11 +139,15 @@ class LeanLlama:
             v = v_proj(x).view(shape).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            k, v = layers[i].update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
-                                                 is_causal=is_causal, **sdpa_kwargs)
-            out = out.reshape(out.shape[0], -1, n, v.shape[-1]).transpose(1, 2).contiguous()
-            out = out.reshape(batch, n, -1).contiguous()
+            if rows is not None:
+                k, v = layers[i].update(k.float(), v.float())
+                out = attention.attend(q, k, v, rows, self.scaling)
+            else:
+                k, v = layers[i].update(k, v)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
+                                                     is_causal=is_causal, **sdpa_kwargs)
+                out = out.reshape(out.shape[0], -1, n, v.shape[-1]).transpose(1, 2).contiguous()
+                out = out.reshape(batch, n, -1).contiguous()
             hidden = residual + o_proj(out)
             residual = hidden
             x = _rms_norm(hidden, w2, eps2)

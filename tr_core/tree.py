@@ -211,6 +211,23 @@ def tree_from_parents(parents: list[int], ranks: list[int], name: str = "custom"
     return tree, order
 
 
+def cut_depth(tokens: torch.Tensor, tree: TreeBuffers, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
+    """The draft ``tokens`` (n,) and ``tree`` without their nodes deeper than ``max_depth``: in BFS order those are
+    the last nodes, so the rest keep their indices (a prefix of the tree). The cut tree's name says so.
+
+    >>> tree = build_tree([(0,), (1,), (0, 0), (0, 0, 0)], name="t")
+    >>> tokens, cut = cut_depth(torch.tensor([7, 8, 9, 10, 11]), tree, 1)
+    >>> tokens.tolist(), cut.parents.tolist(), cut.max_depth, cut.name
+    ([7, 8, 9], [-1, 0, 0], 1, 't cut at depth 1')
+    """
+    if tree.max_depth <= max_depth:
+        return tokens, tree
+    keep = int((tree.depth <= max_depth).sum())
+    cut, _ = tree_from_parents(tree.parents[:keep].tolist(), tree.ranks[:keep].tolist(),
+                               name=f"{tree.name} cut at depth {max_depth}", sources=tree.sources[:keep])
+    return tokens[:keep], cut
+
+
 @lru_cache(maxsize=64)
 def chain_tree(length: int) -> TreeBuffers:
     """A root followed by ``length`` nodes in a line (Prompt Lookup's draft; plain decoding is length 0)."""

@@ -168,7 +168,8 @@ def facts(lesson: Lesson) -> dict:
         hot_steps=meta["steps"], hot_tokens=meta["tokens"], hot_mat=meta["mean_accepted_tokens"],
         cold_steps=cold.meta["steps"], cold_tokens=cold.meta["tokens"], cold_mat=cold.meta["mean_accepted_tokens"],
         same_text="Both runs wrote exactly the same text" if hot.meta["text"] == cold.meta["text"] else
-                  "The two texts differ (a floating-point near-tie; see the README)",
+                  ("The two texts differ (the kernels of the machine that recorded them were not "
+                   "batch-invariant; see the README)"),
         one_share=sum(len(x.accepted_path) == 1 for x in hot.events) / len(hot.events),
         n_cold=n_cold, cold_first=_mat(cold.events[:n_cold]), cold_last=_mat(cold.events[-n_cold:]),
         matrix_bytes=meta["matrix_bytes"], matrix_mib=meta["matrix_bytes"] / 2**20,

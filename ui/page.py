@@ -16,7 +16,8 @@ Decoding, Token Recycling and its best extension beyond the paper). Each is **me
 that none shares the CPU with another, and each method that keeps a matrix starts from its own copy of yours; then the
 runs are **replayed side by side at the speed each was measured at**. Every method must give the same answer as plain
 decoding, greedy or sampled (a temperature above 0: the same seed gives every method the same sample at every
-position): a difference (possible at floating-point near-ties) is shown, not hidden."""
+position; every token's numbers are computed alike alone, in a tree or in a prompt chunk): a difference (only where
+the status line says this CPU could not make the kernels batch-invariant) is shown, not hidden."""
 
 TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last token), the drafts the matrix "
                     "proposed,<br>the path the model accepted, and the bonus token it added itself.")

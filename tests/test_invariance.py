@@ -1,0 +1,218 @@
+"""Batch invariance: a token's logits are the same bits whether it is computed alone (a plain step), inside a draft
+tree of any size the engine runs, or inside a prefill chunk, for the kernels chosen on the machine that runs the
+suite, in both modes and for each format the fast mode may pick here. What makes every method's output plain
+decoding's token for token (tr_core/attention.py, tr_core/layouts.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tr_core import attention, kernels
+from tr_core.decoding import _tree_mask, run
+from tr_core.drafters import PlainDrafter, PromptLookupDrafter
+from tr_core.kernels import OutputHead, body, cache_dtype, feed, prepare_model
+from tr_core.kv import new_cache
+from tr_core.layouts import (LAYOUTS, Layout, available_layouts, kernel_plan, linear_shapes, make_plan, mode_formats,
+                             row_invariant)
+from tr_core.tree import tree_from_parents
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 12) + "Once upon a time, in a land far away, there lived"
+PAST = 130  # the cached tokens before the position checked (not a window boundary)
+TREE_SIZES = (2, 4, 8, 16, 81)
+CHUNKS = (7, 32, 1000)  # prefill pieces (each split again at the attention windows' boundaries)
+
+
+@pytest.fixture(scope="module")
+def ids(embedded):
+    return embedded[1](TEXT, return_tensors="pt")["input_ids"][0]
+
+
+def _tree_with_chain(chain: list[int], size: int, vocab: int) -> tuple[list[int], list[int], list[int]]:
+    """Parents and tokens of a ``size``-node tree holding ``chain`` (root first) as one path, the other nodes random
+    siblings placed before the chain's node at each depth; and the chain's node indices."""
+    g = torch.Generator().manual_seed(size)
+    parents, tokens, nodes = [-1], [chain[0]], [0]
+    extra = size - len(chain)
+    for d in range(1, len(chain)):  # (a chain of one node: the root alone)
+        for _ in range(extra // (len(chain) - 1) + (d <= extra % (len(chain) - 1))):
+            parents.append(nodes[d - 1])
+            tokens.append(int(torch.randint(vocab, (1,), generator=g)))
+        parents.append(nodes[d - 1])
+        tokens.append(chain[d])
+        nodes.append(len(parents) - 1)
+    return parents, tokens, nodes
+
+
+@torch.inference_mode()
+def position_logits(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """The logits after the tokens at positions PAST, PAST + 1 and PAST + 2, computed: alone, one step at a time (as
+    plain decoding does); as a path inside trees of ``TREE_SIZES`` nodes; inside prefills fed in ``CHUNKS``."""
+    base, head, dtype = body(model), OutputHead(model), model.dtype
+    chain = ids[PAST:PAST + 3].tolist()
+
+    def cached(upto: int):
+        cache = new_cache(model.config, 512, cache_dtype(base, dtype))
+        feed(base, ids[:upto], cache)
+        return cache
+
+    out = {}
+    cache, alone = cached(PAST), []
+    for i, token in enumerate(chain):
+        hidden = base(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[PAST + i]]),
+                      cache=cache).last_hidden_state[0]
+        alone.append(head(hidden)[0])
+    out["alone"] = alone
+    for size in TREE_SIZES:
+        parents, tokens, nodes = _tree_with_chain(chain[:size], size, model.config.vocab_size)
+        tree, order = tree_from_parents(parents, [0] * size)
+        assert order == list(range(size))
+        cache = cached(PAST)
+        hidden = base(input_ids=torch.tensor([tokens]), position_ids=(PAST + tree.depth)[None],
+                      attention_mask=_tree_mask(tree, PAST, dtype, "cpu"), cache=cache).last_hidden_state[0]
+        logits = head(hidden)
+        out[f"tree of {size}"] = [logits[i] for i in nodes]
+    for chunk in CHUNKS:
+        cache, rows = new_cache(model.config, 512, cache_dtype(base, dtype)), []
+        for start in range(0, PAST + 3, chunk):
+            rows.append(head(feed(base, ids[start:min(start + chunk, PAST + 3)], cache)))
+        logits = torch.cat(rows)
+        out[f"prefill in {chunk}s"] = [logits[PAST + i] for i in range(3)]
+    return out
+
+
+def differences(logits: dict[str, list[torch.Tensor]]) -> dict[str, list[int]]:
+    """Per way of computing, the number of logits differing from the one-at-a-time ones, per position (a tree of
+    two nodes holds two of the three positions)."""
+    alone = logits["alone"]
+    return {how: [int((a != b).sum()) for a, b in zip(alone, rows)] for how, rows in logits.items() if how != "alone"}
+
+
+def _prepared(embedded, mode: str, fmt: str | None = None):
+    """A copy of the embedded model on ``mode``'s kernels chosen here; with ``fmt``, the fast mode held to that
+    format (what the chooser would run if that format measured fastest)."""
+    model = copy.deepcopy(embedded[0])
+    plan = kernel_plan(model, mode)
+    if fmt is not None:
+        names = [n for n in available_layouts() if LAYOUTS[n].fmt == fmt]
+        timings = {(s, r, n): ms for s, rows in plan.timings.items() for r, by in rows.items()
+                   for n, ms in by.items() if n in names}
+        invariant = row_invariant({s: (ls[0].out_features, ls[0].in_features)
+                                   for s, ls in linear_shapes(model).items()}, names)
+        plan = make_plan(mode, timings, plan.counts, names, invariant=invariant)
+        if plan.fmt != fmt:
+            pytest.skip(f"no row-invariant {fmt} layout on this CPU")
+    prepare_model(model, mode, plan)
+    return model, plan
+
+
+def _fast_formats() -> list[str]:
+    return [f for f in mode_formats("fast") if any(LAYOUTS[n].fmt == f for n in available_layouts())]
+
+
+def test_attention_is_row_invariant_on_this_machine():
+    # without it the lean forward keeps SDPA and no bit-equality below could hold: the suite says so plainly
+    assert attention.batch_invariant(), "oneDNN's matmul is not row-invariant here: see attention.batch_invariant"
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_a_position_has_the_same_logits_alone_in_trees_and_in_prefills(embedded, ids, mode):
+    model, plan = _prepared(embedded, mode)
+    assert plan.invariant, kernels.describe_invariance(plan)
+    assert "batch-invariant" in kernels.describe_format(plan)
+    found = differences(position_logits(model, ids))
+    assert set(found) == {f"tree of {n}" for n in TREE_SIZES} | {f"prefill in {c}s" for c in CHUNKS}
+    assert found["tree of 2"] == [0, 0] and all(d == [0, 0, 0] for h, d in found.items() if h != "tree of 2"), found
+
+
+@pytest.mark.parametrize("fmt", _fast_formats())
+def test_each_format_the_fast_mode_may_pick_here_is_row_invariant(embedded, ids, fmt):
+    model, plan = _prepared(embedded, "fast", fmt)
+    assert plan.fmt == fmt and plan.invariant
+    found = differences(position_logits(model, ids))
+    assert all(d and not any(d) for d in found.values()), (fmt, found)
+
+
+def test_the_check_fails_for_a_deliberately_row_dependent_kernel(embedded, ids, monkeypatch):
+    model, _ = _prepared(embedded, "exact")
+    real = OutputHead.__call__
+
+    def row_dependent(self, hidden):  # a result that depends on how many rows are computed together
+        logits = real(self, hidden)
+        return logits * (1 + hidden.shape[0] * 2.0 ** -20)
+
+    monkeypatch.setattr(OutputHead, "__call__", row_dependent)
+    found = differences(position_logits(model, ids))
+    assert all(d[0] > 0 for d in found.values()), found
+
+
+def test_the_chooser_runs_only_row_invariant_layouts_and_names_the_ones_it_left_out():
+    counts = {"8x8": 2, "head": 1}
+    timings = {(s, r, n): (0.5 if n == "linear" else 1.0) for s in counts for r in (1, 2, 4)
+               for n in ("linear", "onednn")}
+    plan = make_plan("exact", timings, counts, ("linear", "onednn"),
+                     invariant={"8x8": ["onednn@2"], "head": ["onednn", "onednn@2"]})
+    assert plan.invariant and plan.excluded == {"fp32": ["linear"]}
+    assert plan.layouts["8x8"] == {1: "onednn@2", 2: "onednn", 4: "onednn"}  # faster F.linear is row-dependent here
+    assert plan.layouts["head"] == {1: "onednn", 2: "onednn", 4: "onednn"}
+    assert plan.layout_for("8x8", 500) == "onednn"  # beyond the timed rows: the same family
+    # nothing row-invariant: the fastest layouts, and the plan says it is not invariant
+    plain = make_plan("exact", timings, counts, ("linear", "onednn"), invariant={"8x8": [], "head": []})
+    assert not plain.invariant and plain.layouts["8x8"][2] == "linear"
+    assert "NOT batch-invariant" in kernels.describe_invariance(plain)
+
+
+def test_the_row_invariance_probe_tells_a_row_dependent_layout_from_a_row_by_row_one(monkeypatch):
+    from tr_core import layouts
+
+    real = layouts.LAYOUTS["linear"]
+    shaky = Layout("linear", "fp32", "shaky", real.pack,
+                   lambda x, w: torch.nn.functional.linear(x, w) * (1 + x.shape[0] * 2.0 ** -20), False)
+    steady = Layout("wxt", "fp32", "row by row", real.pack,
+                    lambda x, w: torch.cat([torch.nn.functional.linear(row[None], w) for row in x]), False)
+    monkeypatch.setitem(layouts.LAYOUTS, "linear", shaky)
+    monkeypatch.setitem(layouts.LAYOUTS, "wxt", steady)
+    assert row_invariant({"64x32": (64, 32)}, ["linear", "wxt"]) == {"64x32": ["wxt", "wxt@2"]}
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_every_method_equals_plain_decoding_in_both_modes(embedded, mode):
+    from tr_core.engine import Engine, EngineConfig
+
+    model, tokenizer = embedded
+    engine = Engine(copy.deepcopy(model), tokenizer, EngineConfig(mode=mode, tree="small"))
+    prompts = ["Write a short story about a robot who learns to paint.",
+               "Explain in three sentences why the sky is blue, then repeat the explanation."]
+    for prompt in prompts:
+        ids = engine.encode(prompt)
+        plain = run(engine.model, ids, PlainDrafter(), 48, engine.eos_ids, head=engine.head).token_ids
+        for drafter in (engine.drafter("tr"), engine.drafter("tr-context"), PromptLookupDrafter()):
+            got = run(engine.model, ids, drafter, 48, engine.eos_ids, head=engine.head).token_ids
+            assert got == plain, (mode, drafter.name, prompt)
+
+
+def test_a_tree_crossing_an_attention_window_is_cut_at_its_end():
+    from tr_core.tree import build_tree, cut_depth
+
+    tree = build_tree([(0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+    past = attention.BLOCK * 3 - 2  # two positions left in the window: the root and depth 1
+    assert attention.window_room(past) == 1
+    tokens, cut = cut_depth(torch.arange(tree.size), tree, attention.window_room(past))
+    assert cut.max_depth == 1 and tokens.tolist() == [0, 1, 2]
+    with pytest.raises(attention.WindowError):
+        attention.row_keys(past, past + tree.depth, tree.mask)
+    keys = attention.row_keys(past, past + cut.depth, cut.mask)
+    assert keys.start == attention.BLOCK * 2 and keys.valid.sum(1).tolist() == [63, 64, 64]
+
+
+def test_attend_equals_sdpa_to_float_tolerance():
+    g = torch.Generator().manual_seed(0)
+    for past, n in ((0, 30), (130, 5), (640, 40)):
+        keys = torch.randn(1, 3, past + n, 64, generator=g)
+        values = torch.randn(1, 3, past + n, 64, generator=g)
+        q = torch.randn(1, 9, n, 64, generator=g)
+        rows = attention.row_keys(past, torch.arange(past, past + n), None)
+        torch.testing.assert_close(attention.attend(q, keys, values, rows, 0.125),
+                                   attention.reference(q, keys, values, rows, 0.125), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,215 @@
+"""Attention whose every row comes out bit for bit the same, whatever rows are computed with it.
+
+A token's logits must not depend on whether it is verified alone (a plain step), as a node of a draft tree of any
+size, or inside a prefill chunk: otherwise a float near-tie decides differently in a tree than in plain decoding,
+and the output is no longer plain decoding's. torch's fused attention kernels are not like that: the same query row
+gives other bits when the batch of rows, the number of keys, or the masked keys between its own keys change
+(their reductions and block sizes follow the shapes). So attention is computed here from operations whose result
+per row depends only on that row's inputs, on a fixed layout of the keys:
+
+- A row at position ``p`` sees positions ``0 .. p``. They are split at ``start = (p // BLOCK) * BLOCK``: the keys
+  before ``start`` (the *shared* part: all in the cache, and the same for every row of a step) and the at most
+  ``BLOCK`` keys from ``start`` to ``p`` (the row's *own* part, laid out at fixed offsets ``position - start`` in a
+  window of ``BLOCK``: the cached keys of the window, then the row's tree ancestors or earlier chunk rows, then
+  padding). Plain decoding of the same token splits at the same ``start`` and fills the window with the same keys
+  at the same offsets, so every sum below has the same terms in the same order.
+- Scores and the shared part's weighted values are matrix products of ``rows x head_dim`` by the keys, computed by
+  oneDNN's linear kernel (``MATMUL``), whose result per row is the same for any number of rows (two or more: a
+  query group always has ``heads / kv_heads`` rows here) and any number of keys; the own part's weighted values are
+  a batched product with a fixed shape per row (``bmm``: rows x BLOCK by BLOCK x head_dim). The softmax is taken
+  over the shared scores and the window's together (one maximum; two sums, each over a fixed length), in fp32.
+- Rows of one call must lie in one window (``row_keys`` raises otherwise): the decoding loop cuts a draft tree's
+  depth at the window's end (``window_room``) and prefills in chunks aligned to ``BLOCK``.
+
+``batch_invariant()`` checks on this machine, once per process, that the products really are row-invariant; where
+they are not, the lean forward keeps torch's fused attention and the mode says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+BLOCK = 64  # positions per window: a row's own part is at most this many keys
+
+
+class WindowError(ValueError):
+    """Rows of one forward pass that do not lie in one window of ``BLOCK`` positions."""
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    """Which keys each of ``n`` new rows attends to: every key before ``start`` (cached), and its own window:
+    ``index`` (n, BLOCK) int64, the key at each offset ``position - start`` (an index into the layer's keys after
+    the step's keys were appended: cached keys first, then the step's rows in order), valid where ``valid`` (n,
+    BLOCK) bool."""
+
+    start: int
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @functools.cached_property
+    def _flat(self) -> torch.Tensor:
+        return self.index.flatten()
+
+    @functools.lru_cache(maxsize=2)
+    def _grouped(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``index`` and ``~valid`` with each row repeated ``group`` times (its query heads of one kv head), made
+        once per forward pass and used by every layer."""
+        return self.index.repeat_interleave(group, 0), ~self.valid.repeat_interleave(group, 0)
+
+
+def window_start(position: int) -> int:
+    """``window_start(130) -> 128``: where the window of the row at ``position`` begins."""
+    return position // BLOCK * BLOCK
+
+
+def window_room(past: int) -> int:
+    """How many positions after ``past`` (the first new row's position) still lie in its window: the deepest draft
+    node one step may verify. ``window_room(128) -> 63``, ``window_room(191) -> 0``."""
+    return window_start(past) + BLOCK - 1 - past
+
+
+def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None) -> RowKeys:
+    """The key layout of ``n`` new rows on top of ``past`` cached positions. ``positions`` (n,) int64: each row's
+    position; ``visible`` (n, n) bool: which of the step's rows each row sees (itself and its ancestors in a tree),
+    None for a causal chain (each sees the rows before it and itself). Each row must see exactly one row at each
+    position from ``past`` to its own.
+
+    >>> keys = row_keys(66, torch.tensor([66, 67, 67]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool())
+    >>> keys.start, keys.index[:, :5].tolist()
+    (64, [[64, 65, 66, 0, 0], [64, 65, 66, 67, 0], [64, 65, 66, 68, 0]])
+    >>> keys.valid[:, :5].int().tolist()
+    [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    """
+    n = positions.numel()
+    device = positions.device
+    lo, hi = int(positions.min()), int(positions.max())
+    start = window_start(past)
+    if lo < past or hi >= start + BLOCK:
+        raise WindowError(f"rows at positions {lo}..{hi} on {past} cached ones: a forward pass's rows must lie in "
+                          f"one window of {BLOCK} positions ({start}..{start + BLOCK - 1})")
+    index = torch.zeros(n, BLOCK, dtype=torch.long, device=device)
+    valid = torch.zeros(n, BLOCK, dtype=torch.bool, device=device)
+    cached = past - start
+    if cached:
+        index[:, :cached] = torch.arange(start, past, device=device)
+        valid[:, :cached] = True
+    if visible is None:
+        visible = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    rows, cols = visible.nonzero(as_tuple=True)
+    offsets = positions[cols] - start
+    index[rows, offsets] = past + cols
+    valid[rows, offsets] = True
+    return RowKeys(start, index, valid)
+
+
+def _padded_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows and ``BLOCK`` columns (zeros added,
+    then dropped): BLAS kernels pick their code path by the shape, and past a few rows and columns the path, and so
+    an entry's result, stays."""
+    m, n = a.shape[1], b.shape[2]
+    if m < rows:
+        a = torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
+    if n < BLOCK:
+        b = torch.cat([b, b.new_zeros(b.shape[0], b.shape[1], BLOCK - n)], 2)
+    return torch.bmm(a, b)[:, :m, :n]
+
+
+def _onednn(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """The same product by oneDNN's linear kernel, one head at a time (``b`` read as a transposed weight)."""
+    return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h], b[h].t(), None, "none", [], "")
+                        for h in range(a.shape[0])])
+
+
+# The ways to compute attention's products, in order of preference (fewest calls first); ``batch_invariant`` picks the
+# first whose rows come out the same here. (kind -> (product, rows it pads to))
+KINDS = {"bmm-4": (_padded_bmm, 4), "bmm-16": (_padded_bmm, 16), "onednn": (_onednn, 2)}
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scale: float,
+           kind: str | None = None) -> torch.Tensor:
+    """Attention of the step's rows. ``q`` (1, H, n, D) after rotary embedding; ``keys``, ``values`` (1, Hkv, S, D)
+    fp32, the layer's cache with the step's keys appended; ``H`` a multiple of ``Hkv`` (query head ``h`` reads
+    key/value head ``h // (H / Hkv)``). ``kind``: how the products are computed (``KINDS``; default: the one
+    ``batch_invariant`` found row-invariant here). Returns (1, n, H * D) in ``q``'s dtype."""
+    product, pad = KINDS[kind or batch_invariant() or "bmm-4"]
+    _, heads, n, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    start = rows.start
+    # (Hkv, n * group, D): one kv head's queries, row-major by (row, query head); the scale applied first (exact for
+    # a power of two, and the same elementwise product for every row either way)
+    qs = (q[0].float() * scale).view(kv_heads, group, n, dim).transpose(1, 2).reshape(kv_heads, n * group, dim)
+    k, v = keys[0], values[0]
+    scores = product(qs, k.transpose(1, 2), pad)  # (Hkv, n * group, S)
+    index, hidden = rows._grouped(group)  # (n * group, BLOCK)
+    own = scores.gather(2, index.expand(kv_heads, -1, -1)).masked_fill_(hidden, float("-inf"))  # (Hkv, n*group, BLOCK)
+    top = own.amax(-1, keepdim=True)
+    if start:
+        shared = scores[:, :, :start]
+        top = torch.maximum(top, shared.amax(-1, keepdim=True))
+        shared = (shared - top).exp_()
+    own = (own - top).exp_()
+    total = own.sum(-1, keepdim=True)
+    window = v.index_select(1, rows._flat).view(kv_heads * n, BLOCK, dim)
+    out = torch.bmm(own.view(kv_heads * n, group, BLOCK), window).view(kv_heads, n * group, dim)
+    if start:
+        total = shared.sum(-1, keepdim=True) + total
+        out = product(shared, v[:, :start], pad) + out
+    out = out / total  # (Hkv, n * group, D)
+    return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(1, n, heads * dim).to(q.dtype)
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scale: float) -> torch.Tensor:
+    """The same attention by torch's SDPA over an explicit mask (to check ``attend`` against, to float tolerance)."""
+    _, heads, n, dim = q.shape
+    size = keys.shape[2]
+    allowed = torch.zeros(n, size, dtype=torch.bool, device=q.device)
+    allowed[:, :rows.start] = True
+    which = rows.valid.nonzero(as_tuple=True)
+    allowed[which[0], rows.index[which]] = True
+    out = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), attn_mask=allowed[None, None],
+                                         scale=scale, enable_gqa=heads != keys.shape[1])
+    return out.transpose(1, 2).reshape(1, n, heads * dim).to(q.dtype)
+
+
+@functools.cache
+def batch_invariant() -> str | None:
+    """The first of ``KINDS`` with which ``attend`` gives every row the same bits alone and among others on this
+    machine and torch build (rows of a random step at 1, 2, 5 and 40 rows, with 0, 100 and 700 cached keys, against
+    each row computed alone, its window filled with the same keys); None where none does."""
+    for kind in KINDS:
+        try:
+            if _rows_agree(kind):
+                return kind
+        except (RuntimeError, AttributeError, NotImplementedError):  # a kernel missing from this build
+            continue
+    return None
+
+
+def _rows_agree(kind: str) -> bool:
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    for past in (0, 100, 700):
+        n_max = min(40, window_room(past) + 1)
+        size = past + n_max
+        keys = torch.randn(1, kv_heads, size, dim, generator=g)
+        values = torch.randn(1, kv_heads, size, dim, generator=g)
+        q = torch.randn(1, heads, n_max, dim, generator=g)
+        positions = torch.arange(past, past + n_max)
+        together = attend(q, keys, values, row_keys(past, positions, None), 0.125, kind)
+        for n in (1, 2, 5, n_max):
+            part = attend(q[:, :, :n], keys[:, :, :past + n], values[:, :, :past + n],
+                          row_keys(past, positions[:n], None), 0.125, kind)
+            if not torch.equal(part, together[:, :n]):
+                return False
+        # the last row alone, as plain decoding computes it: every earlier row already cached
+        last = n_max - 1
+        alone = attend(q[:, :, last:], keys, values, row_keys(past + last, positions[last:], None), 0.125, kind)
+        if not torch.equal(alone, together[:, last:]):
+            return False
+    return True
