@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from conftest import VOCAB, tiny_model
 from tr_core import AdjacencyMatrix, RecyclingDrafter, StepEvent, build_tree, decode
-from tr_core.decoding import _tree_mask
+from tr_core.decoding import tree_mask
 from tr_core.kv import keep_accepted_path
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18]
@@ -64,7 +64,7 @@ def test_cache_after_compaction_matches_a_forward_from_scratch():
         past = len(PROMPT) - 1
         model(input_ids=torch.tensor([PROMPT[:-1]]), cache=cache, use_cache=True)
         model(input_ids=tokens[None], position_ids=(past + tree.depth)[None],
-              attention_mask=_tree_mask(tree, past, model.dtype, model.device), cache=cache, use_cache=True)
+              attention_mask=tree_mask(tree, past, model.dtype, model.device), cache=cache, use_cache=True)
         keep_accepted_path(cache, past, tree.size, torch.tensor(path))
         assert cache.get_seq_length() == past + len(path)
         kept = tokens[path].tolist()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tr_core import attention, kernels
-from tr_core.decoding import _tree_mask, run
+from tr_core.decoding import decode, run, tree_mask
 from tr_core.drafters import PlainDrafter, PromptLookupDrafter
 from tr_core.kernels import OutputHead, body, cache_dtype, feed, prepare_model
 from tr_core.kv import new_cache
@@ -19,15 +19,20 @@ from tr_core.layouts import (LAYOUTS, Layout, available_layouts, kernel_plan, li
                              row_invariant)
 from tr_core.tree import tree_from_parents
 
-TEXT = ("The quick brown fox jumps over the lazy dog. " * 12) + "Once upon a time, in a land far away, there lived"
-PAST = 130  # the cached tokens before the position checked (not a window boundary)
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 20) + "Once upon a time, in a land far away, there lived"
+# the cached tokens before the positions checked: inside an attention window, and near its end (a prefill chunk of
+# up to 63 rows reaches them)
+PASTS = (130, 187)
+DEPTH = 3  # the positions checked: the one after the cache and the next three, a path of depth 3 in each tree
 TREE_SIZES = (2, 4, 8, 16, 81)
 CHUNKS = (7, 32, 1000)  # prefill pieces (each split again at the attention windows' boundaries)
 
 
 @pytest.fixture(scope="module")
 def ids(embedded):
-    return embedded[1](TEXT, return_tensors="pt")["input_ids"][0]
+    ids = embedded[1](TEXT, return_tensors="pt")["input_ids"][0]
+    assert ids.numel() >= max(PASTS) + DEPTH + 1
+    return ids
 
 
 def _tree_with_chain(chain: list[int], size: int, vocab: int) -> tuple[list[int], list[int], list[int]]:
@@ -47,11 +52,11 @@ def _tree_with_chain(chain: list[int], size: int, vocab: int) -> tuple[list[int]
 
 
 @torch.inference_mode()
-def position_logits(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """The logits after the tokens at positions PAST, PAST + 1 and PAST + 2, computed: alone, one step at a time (as
-    plain decoding does); as a path inside trees of ``TREE_SIZES`` nodes; inside prefills fed in ``CHUNKS``."""
+def position_logits(model, ids: torch.Tensor, past: int) -> dict[str, list[torch.Tensor]]:
+    """The logits after the tokens at positions ``past`` to ``past + DEPTH``, computed: alone, one step at a time
+    (as plain decoding does); as a path inside trees of ``TREE_SIZES`` nodes; inside prefills fed in ``CHUNKS``."""
     base, head, dtype = body(model), OutputHead(model), model.dtype
-    chain = ids[PAST:PAST + 3].tolist()
+    chain = ids[past:past + DEPTH + 1].tolist()
 
     def cached(upto: int):
         cache = new_cache(model.config, 512, cache_dtype(base, dtype))
@@ -59,9 +64,9 @@ def position_logits(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         return cache
 
     out = {}
-    cache, alone = cached(PAST), []
+    cache, alone = cached(past), []
     for i, token in enumerate(chain):
-        hidden = base(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[PAST + i]]),
+        hidden = base(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[past + i]]),
                       cache=cache).last_hidden_state[0]
         alone.append(head(hidden)[0])
     out["alone"] = alone
@@ -69,23 +74,23 @@ def position_logits(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         parents, tokens, nodes = _tree_with_chain(chain[:size], size, model.config.vocab_size)
         tree, order = tree_from_parents(parents, [0] * size)
         assert order == list(range(size))
-        cache = cached(PAST)
-        hidden = base(input_ids=torch.tensor([tokens]), position_ids=(PAST + tree.depth)[None],
-                      attention_mask=_tree_mask(tree, PAST, dtype, "cpu"), cache=cache).last_hidden_state[0]
+        cache = cached(past)
+        hidden = base(input_ids=torch.tensor([tokens]), position_ids=(past + tree.depth)[None],
+                      attention_mask=tree_mask(tree, past, dtype, "cpu"), cache=cache).last_hidden_state[0]
         logits = head(hidden)
         out[f"tree of {size}"] = [logits[i] for i in nodes]
     for chunk in CHUNKS:
         cache, rows = new_cache(model.config, 512, cache_dtype(base, dtype)), []
-        for start in range(0, PAST + 3, chunk):
-            rows.append(head(feed(base, ids[start:min(start + chunk, PAST + 3)], cache)))
+        for start in range(0, past + DEPTH + 1, chunk):
+            rows.append(head(feed(base, ids[start:min(start + chunk, past + DEPTH + 1)], cache)))
         logits = torch.cat(rows)
-        out[f"prefill in {chunk}s"] = [logits[PAST + i] for i in range(3)]
+        out[f"prefill in {chunk}s"] = [logits[past + i] for i in range(DEPTH + 1)]
     return out
 
 
 def differences(logits: dict[str, list[torch.Tensor]]) -> dict[str, list[int]]:
     """Per way of computing, the number of logits differing from the one-at-a-time ones, per position (a tree of
-    two nodes holds two of the three positions)."""
+    fewer nodes than positions holds the first ones)."""
     alone = logits["alone"]
     return {how: [int((a != b).sum()) for a, b in zip(alone, rows)] for how, rows in logits.items() if how != "alone"}
 
@@ -114,25 +119,34 @@ def _fast_formats() -> list[str]:
 
 def test_attention_is_row_invariant_on_this_machine():
     # without it the lean forward keeps SDPA and no bit-equality below could hold: the suite says so plainly
-    assert attention.batch_invariant(), "oneDNN's matmul is not row-invariant here: see attention.batch_invariant"
+    assert attention.batch_invariant(9, 3, 64), "no attention product is row-invariant here (attention.KINDS)"
+    # and for the tiny test models' shapes (4 query heads, 2 or 4 key/value heads, head size 16)
+    assert attention.batch_invariant(4, 2, 16) and attention.batch_invariant(4, 4, 16)
+
+
+def _all_equal(found: dict[str, list[int]]) -> bool:
+    return all(len(d) == min(DEPTH + 1, int(h.split()[-1])) if h.startswith("tree") else len(d) == DEPTH + 1
+               for h, d in found.items()) and not any(any(d) for d in found.values())
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_a_position_has_the_same_logits_alone_in_trees_and_in_prefills(embedded, ids, mode):
     model, plan = _prepared(embedded, mode)
     assert plan.invariant, kernels.describe_invariance(plan)
-    assert "batch-invariant" in kernels.describe_format(plan)
-    found = differences(position_logits(model, ids))
-    assert set(found) == {f"tree of {n}" for n in TREE_SIZES} | {f"prefill in {c}s" for c in CHUNKS}
-    assert found["tree of 2"] == [0, 0] and all(d == [0, 0, 0] for h, d in found.items() if h != "tree of 2"), found
+    assert "; batch-invariant" in kernels.describe_format(plan, kernels.attention_invariant(model))
+    for past in PASTS:
+        found = differences(position_logits(model, ids, past))
+        assert set(found) == {f"tree of {n}" for n in TREE_SIZES} | {f"prefill in {c}s" for c in CHUNKS}
+        assert _all_equal(found), (past, found)
 
 
 @pytest.mark.parametrize("fmt", _fast_formats())
 def test_each_format_the_fast_mode_may_pick_here_is_row_invariant(embedded, ids, fmt):
     model, plan = _prepared(embedded, "fast", fmt)
     assert plan.fmt == fmt and plan.invariant
-    found = differences(position_logits(model, ids))
-    assert all(d and not any(d) for d in found.values()), (fmt, found)
+    for past in PASTS:
+        found = differences(position_logits(model, ids, past))
+        assert _all_equal(found), (fmt, past, found)
 
 
 def test_the_check_fails_for_a_deliberately_row_dependent_kernel(embedded, ids, monkeypatch):
@@ -144,7 +158,7 @@ def test_the_check_fails_for_a_deliberately_row_dependent_kernel(embedded, ids, 
         return logits * (1 + hidden.shape[0] * 2.0 ** -20)
 
     monkeypatch.setattr(OutputHead, "__call__", row_dependent)
-    found = differences(position_logits(model, ids))
+    found = differences(position_logits(model, ids, PASTS[0]))
     assert all(d[0] > 0 for d in found.values()), found
 
 
@@ -213,6 +227,33 @@ def test_attend_equals_sdpa_to_float_tolerance():
         keys = torch.randn(1, 3, past + n, 64, generator=g)
         values = torch.randn(1, 3, past + n, 64, generator=g)
         q = torch.randn(1, 9, n, 64, generator=g)
-        rows = attention.row_keys(past, torch.arange(past, past + n), None)
+        rows = attention.row_keys(past, torch.arange(past, past + n), None, group=3)
         torch.testing.assert_close(attention.attend(q, keys, values, rows, 0.125),
                                    attention.reference(q, keys, values, rows, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoding_step_at_a_windows_end_verifies_its_tree_cut_there(embedded):
+    from tr_core.drafters import RecyclingDrafter
+    from tr_core.engine import Engine, EngineConfig
+    from tr_core.matrix import AdjacencyMatrix
+    from tr_core.tree import load_template
+
+    model, tokenizer = embedded
+    engine = Engine(copy.deepcopy(model), tokenizer, EngineConfig(mode="exact", tree="small"))
+    prompt = engine.encode(TEXT)[:attention.BLOCK * 2 - 1]  # the first root at position 126: room for depth 1
+    tree = load_template("medium")
+    drafter = RecyclingDrafter(AdjacencyMatrix(model.config.vocab_size, 8), tree)
+    steps = list(decode(engine.model, prompt, drafter, 12, head=engine.head))
+    assert steps[0].tree_name == f"{tree.name} cut at depth 1" and max(_depths(steps[0].tree_parents)) == 1
+    for e in steps:  # every step's tree within its root's window
+        root = len(prompt) - 1 + e.total_tokens - len(e.new_tokens)
+        assert max(_depths(e.tree_parents)) <= attention.window_room(root)
+    plain = run(engine.model, prompt, PlainDrafter(), 12, head=engine.head).token_ids
+    assert [t for e in steps for t in e.new_tokens] == plain
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth

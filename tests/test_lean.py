@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from tr_core.decoding import _tree_mask
+from tr_core.decoding import tree_mask
 from tr_core.kernels import body
 from tr_core.kv import new_cache
 from tr_core.lean import LeanLlama, supports
@@ -21,7 +21,7 @@ def _steps(forward, model, cache):
     out.append(forward(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[40]]), cache=cache).last_hidden_state)
     out.append(forward(input_ids=torch.tensor([[7, 8, 9]]), cache=cache).last_hidden_state)
     tree = build_tree(list(load_template("paper").node_paths[1:6]))
-    mask = _tree_mask(tree, 44, model.dtype, model.device)
+    mask = tree_mask(tree, 44, model.dtype, model.device)
     ids = torch.randint(0, vocab, (1, 6), generator=g)
     out.append(forward(input_ids=ids, position_ids=(44 + tree.depth)[None], attention_mask=mask,
                        cache=cache).last_hidden_state)
@@ -32,7 +32,7 @@ def _steps(forward, model, cache):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "preallocated"])
 @torch.inference_mode()
-def test_lean_forward_equals_the_models_own_bit_for_bit(dtype, cache_kind):
+def test_lean_forward_equals_the_models_own(dtype, cache_kind):
     model = tiny_model("llama", dtype=dtype)
     assert supports(model)
     make = (lambda: DynamicCache(config=model.config)) if cache_kind == "dynamic" else (

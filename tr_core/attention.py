@@ -13,16 +13,18 @@ per row depends only on that row's inputs, on a fixed layout of the keys:
   window of ``BLOCK``: the cached keys of the window, then the row's tree ancestors or earlier chunk rows, then
   padding). Plain decoding of the same token splits at the same ``start`` and fills the window with the same keys
   at the same offsets, so every sum below has the same terms in the same order.
-- Scores and the shared part's weighted values are matrix products of ``rows x head_dim`` by the keys, computed by
-  oneDNN's linear kernel (``MATMUL``), whose result per row is the same for any number of rows (two or more: a
-  query group always has ``heads / kv_heads`` rows here) and any number of keys; the own part's weighted values are
-  a batched product with a fixed shape per row (``bmm``: rows x BLOCK by BLOCK x head_dim). The softmax is taken
-  over the shared scores and the window's together (one maximum; two sums, each over a fixed length), in fp32.
+- Scores and the shared part's weighted values are batched matrix products, per kv head, of the step's queries
+  (its rows times the query heads of that kv head) by the keys, computed so that an entry's result does not depend
+  on how many rows or keys there are (``KINDS``: ``torch.bmm`` on at least a few rows and ``BLOCK`` keys, zeros
+  added, or oneDNN's matmul); the own part's weighted values are a batched product with a fixed shape per row
+  (``bmm``: query heads x BLOCK by BLOCK x head_dim). The softmax is taken over the shared scores and the window's
+  together (one maximum; two sums, each over a fixed length), in fp32.
 - Rows of one call must lie in one window (``row_keys`` raises otherwise): the decoding loop cuts a draft tree's
   depth at the window's end (``window_room``) and prefills in chunks aligned to ``BLOCK``.
 
-``batch_invariant()`` checks on this machine, once per process, that the products really are row-invariant; where
-they are not, the lean forward keeps torch's fused attention and the mode says so.
+``batch_invariant(heads, kv_heads, head_dim)`` checks on this machine, once per process and shape, which way of
+computing the products makes every row (chains and trees, 1 to 81 rows, short and long contexts) come out the same as
+alone; where none does, the lean forward keeps torch's fused attention and the mode says so.
 """
 
 from __future__ import annotations
@@ -50,16 +52,14 @@ class RowKeys:
     start: int
     index: torch.Tensor
     valid: torch.Tensor
+    group: int = 1  # query heads per kv head: ``grouped`` repeats each row this many times
 
-    @functools.cached_property
-    def _flat(self) -> torch.Tensor:
-        return self.index.flatten()
-
-    @functools.lru_cache(maxsize=2)
-    def _grouped(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``index`` and ``~valid`` with each row repeated ``group`` times (its query heads of one kv head), made
-        once per forward pass and used by every layer."""
-        return self.index.repeat_interleave(group, 0), ~self.valid.repeat_interleave(group, 0)
+    def __post_init__(self):
+        # made once per forward pass, used by every layer: the window's keys flattened, and ``index`` and ``~valid``
+        # with each row repeated ``group`` times (its query heads of one kv head)
+        object.__setattr__(self, "flat", self.index.flatten())
+        object.__setattr__(self, "grouped", (self.index.repeat_interleave(self.group, 0),
+                                             ~self.valid.repeat_interleave(self.group, 0)))
 
 
 def window_start(position: int) -> int:
@@ -73,11 +73,11 @@ def window_room(past: int) -> int:
     return window_start(past) + BLOCK - 1 - past
 
 
-def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None) -> RowKeys:
+def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, group: int = 1) -> RowKeys:
     """The key layout of ``n`` new rows on top of ``past`` cached positions. ``positions`` (n,) int64: each row's
     position; ``visible`` (n, n) bool: which of the step's rows each row sees (itself and its ancestors in a tree),
     None for a causal chain (each sees the rows before it and itself). Each row must see exactly one row at each
-    position from ``past`` to its own.
+    position from ``past`` to its own. ``group``: query heads per kv head (``attend`` reads its rows so laid out).
 
     >>> keys = row_keys(66, torch.tensor([66, 67, 67]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]).bool())
     >>> keys.start, keys.index[:, :5].tolist()
@@ -104,24 +104,25 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None) -
     offsets = positions[cols] - start
     index[rows, offsets] = past + cols
     valid[rows, offsets] = True
-    return RowKeys(start, index, valid)
+    return RowKeys(start, index, valid, group)
 
 
 def _padded_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows and ``BLOCK`` columns (zeros added,
-    then dropped): BLAS kernels pick their code path by the shape, and past a few rows and columns the path, and so
-    an entry's result, stays."""
-    m, n = a.shape[1], b.shape[2]
+    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows (zero rows added, then dropped):
+    BLAS kernels pick their code path by the shape, and past a few rows the path, and so a row's result, stays."""
+    m = a.shape[1]
     if m < rows:
         a = torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
-    if n < BLOCK:
-        b = torch.cat([b, b.new_zeros(b.shape[0], b.shape[1], BLOCK - n)], 2)
-    return torch.bmm(a, b)[:, :m, :n]
+    return torch.bmm(a, b)[:, :m]
 
 
 def _onednn(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """The same product by oneDNN's linear kernel, one head at a time (``b`` read as a transposed weight)."""
-    return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h], b[h].t(), None, "none", [], "")
+    """The same product by oneDNN's linear kernel on at least ``rows`` rows, one head at a time (``b`` read as a
+    transposed weight)."""
+    m = a.shape[1]
+    if m < rows:
+        a = torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
+    return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h], b[h].t(), None, "none", [], "")[:m]
                         for h in range(a.shape[0])])
 
 
@@ -136,7 +137,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     fp32, the layer's cache with the step's keys appended; ``H`` a multiple of ``Hkv`` (query head ``h`` reads
     key/value head ``h // (H / Hkv)``). ``kind``: how the products are computed (``KINDS``; default: the one
     ``batch_invariant`` found row-invariant here). Returns (1, n, H * D) in ``q``'s dtype."""
-    product, pad = KINDS[kind or batch_invariant() or "bmm-4"]
+    product, pad = KINDS[kind or batch_invariant(q.shape[1], keys.shape[1], q.shape[3]) or "bmm-4"]
     _, heads, n, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -145,8 +146,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     # a power of two, and the same elementwise product for every row either way)
     qs = (q[0].float() * scale).view(kv_heads, group, n, dim).transpose(1, 2).reshape(kv_heads, n * group, dim)
     k, v = keys[0], values[0]
-    scores = product(qs, k.transpose(1, 2), pad)  # (Hkv, n * group, S)
-    index, hidden = rows._grouped(group)  # (n * group, BLOCK)
+    size = k.shape[1]
+    if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
+        k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
+    scores = product(qs, k.transpose(1, 2), pad)[:, :, :size]  # (Hkv, n * group, S)
+    if rows.group != group:
+        raise ValueError(f"rows laid out for {rows.group} query heads per kv head; this model has {group}")
+    index, hidden = rows.grouped  # (n * group, BLOCK)
     own = scores.gather(2, index.expand(kv_heads, -1, -1)).masked_fill_(hidden, float("-inf"))  # (Hkv, n*group, BLOCK)
     top = own.amax(-1, keepdim=True)
     if start:
@@ -155,7 +161,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
         shared = (shared - top).exp_()
     own = (own - top).exp_()
     total = own.sum(-1, keepdim=True)
-    window = v.index_select(1, rows._flat).view(kv_heads * n, BLOCK, dim)
+    window = v.index_select(1, rows.flat).view(kv_heads * n, BLOCK, dim)
     out = torch.bmm(own.view(kv_heads * n, group, BLOCK), window).view(kv_heads, n * group, dim)
     if start:
         total = shared.sum(-1, keepdim=True) + total
@@ -178,38 +184,65 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: R
 
 
 @functools.cache
-def batch_invariant() -> str | None:
+def batch_invariant(heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> str | None:
     """The first of ``KINDS`` with which ``attend`` gives every row the same bits alone and among others on this
-    machine and torch build (rows of a random step at 1, 2, 5 and 40 rows, with 0, 100 and 700 cached keys, against
-    each row computed alone, its window filled with the same keys); None where none does."""
+    machine and torch build, for a model of this many query and key/value heads and head size (``_rows_agree``);
+    None where none does."""
     for kind in KINDS:
         try:
-            if _rows_agree(kind):
+            if _rows_agree(kind, heads, kv_heads, head_dim):
                 return kind
         except (RuntimeError, AttributeError, NotImplementedError):  # a kernel missing from this build
             continue
     return None
 
 
-def _rows_agree(kind: str) -> bool:
+def _rows_agree(kind: str, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Random steps, causal chains of up to 64 rows and draft trees of 81 nodes (depth up to 6), on 0 to 1,300 cached
+    keys (fewer and more than a window's keys among them): each row against itself computed alone, on a cache holding
+    exactly the keys it sees before it, as plain decoding computes it."""
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim = 9, 3, 64
-    for past in (0, 100, 700):
-        n_max = min(40, window_room(past) + 1)
-        size = past + n_max
-        keys = torch.randn(1, kv_heads, size, dim, generator=g)
-        values = torch.randn(1, kv_heads, size, dim, generator=g)
-        q = torch.randn(1, heads, n_max, dim, generator=g)
-        positions = torch.arange(past, past + n_max)
-        together = attend(q, keys, values, row_keys(past, positions, None), 0.125, kind)
-        for n in (1, 2, 5, n_max):
-            part = attend(q[:, :, :n], keys[:, :, :past + n], values[:, :, :past + n],
-                          row_keys(past, positions[:n], None), 0.125, kind)
-            if not torch.equal(part, together[:, :n]):
+    group = heads // kv_heads
+    for past, tree in ((0, False), (10, False), (100, True), (128, False), (192, True), (700, False), (1300, True)):
+        parents = _random_tree(81, min(6, window_room(past)), g) if tree else None
+        n = len(parents) if tree else window_room(past) + 1
+        paths = _paths(parents) if tree else [list(range(i + 1)) for i in range(n)]
+        keys = torch.randn(1, kv_heads, past + n, head_dim, generator=g)
+        values = torch.randn(1, kv_heads, past + n, head_dim, generator=g)
+        q = torch.randn(1, heads, n, head_dim, generator=g)
+        visible = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            visible[i, p] = True
+        depth = torch.tensor([len(p) - 1 for p in paths])
+        together = attend(q, keys, values, row_keys(past, past + depth, visible, group), 0.125, kind)
+        for i, p in enumerate(paths):
+            seen = torch.cat([torch.arange(past), past + torch.tensor(p)])
+            position = past + len(p) - 1
+            alone = attend(q[:, :, i:i + 1], keys[:, :, seen], values[:, :, seen],
+                           row_keys(position, torch.tensor([position]), None, group), 0.125, kind)
+            if not torch.equal(alone, together[:, i:i + 1]):
                 return False
-        # the last row alone, as plain decoding computes it: every earlier row already cached
-        last = n_max - 1
-        alone = attend(q[:, :, last:], keys, values, row_keys(past + last, positions[last:], None), 0.125, kind)
-        if not torch.equal(alone, together[:, last:]):
-            return False
     return True
+
+
+def _random_tree(size: int, depth: int, g: torch.Generator) -> list[int]:
+    """Parents of a random tree of ``size`` nodes in BFS order, ``depth`` levels below the root (at least one node
+    each; none when ``depth`` is 0)."""
+    if depth == 0:
+        return [-1]
+    cuts = sorted(torch.randperm(size - 2, generator=g)[:depth - 1].add(1).tolist()) if depth > 1 else []
+    widths = [b - a for a, b in zip([0] + cuts, cuts + [size - 1])]
+    parents, level = [-1], [0]
+    for width in widths:
+        start = len(parents)
+        parents += [level[int(torch.randint(len(level), (1,), generator=g))] for _ in range(width)]
+        level = list(range(start, len(parents)))
+    return parents
+
+
+def _paths(parents: list[int]) -> list[list[int]]:
+    """Each node's path from the root, root first: ``[-1, 0, 0, 1] -> [[0], [0, 1], [0, 2], [0, 1, 3]]``."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        paths.append([i] if parent < 0 else paths[parent] + [i])
+    return paths

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .assets import ACCEPTANCE_DIR, acceptance_path
-from .decoding import _max_positions, _tree_mask
+from .decoding import _max_positions, tree_mask
 from .attention import BLOCK
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
 from .layouts import cpu_name
@@ -69,8 +69,11 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
         prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
     windowed = window(body(model)) is not None  # the batch-invariant attention (attention.py)
+    paper = load_template("paper")
     if windowed and prefix >= BLOCK:  # the root at a window's start: every tree's depth fits in its window
         prefix = prefix // BLOCK * BLOCK
+    elif windowed:  # a short cache: the deepest tree still in the first window
+        prefix = max(1, min(prefix, BLOCK - 1 - paper.max_depth))
     attention = "-invariant" if windowed else ""
     path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired{attention}.json"
     if use_cache_file and path.is_file() and not remeasure:
@@ -80,7 +83,6 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     device = model.device
     if device.type == "cpu":
         grouped_query_attention_in_sdpa()  # as decoding does
-    paper = load_template("paper")
     g = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
     ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
@@ -95,7 +97,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
             pos, mask = torch.tensor([[prefix]], device=device), None
         else:
             pos = (prefix + tree.depth.to(device))[None]
-            mask = _tree_mask(tree.to(device), prefix, model.dtype, device)
+            mask = tree_mask(tree.to(device), prefix, model.dtype, device)
         steps.append((n, ids, pos, mask))
     times = {n: [[] for _ in range(repeats)] for n in sizes}  # per size, per round: the block's timings
     # Rounds over the sizes, so that a slow spell of the machine hits every size alike; within a round each size runs

@@ -100,7 +100,7 @@ def top_probabilities(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return (logits.gather(-1, top) - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
 
 
-def _tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive 4D mask (1, 1, n, past_len + n): 0 where a node may attend, the dtype's minimum elsewhere."""
     n = tree.size
     mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=device)
@@ -217,7 +217,7 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     if tree.parents.device != device:
         tree = tree.to(device)
     positions = (past_len + tree.depth.to(device))[None]
-    mask = None if _is_chain(tree) else _tree_mask(tree, past_len, dtype, device)
+    mask = None if _is_chain(tree) else tree_mask(tree, past_len, dtype, device)
     _sync(device)
     t1 = time.perf_counter()
     hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,

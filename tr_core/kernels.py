@@ -51,7 +51,7 @@ def mode_dtype(mode: str, model: nn.Module | None = None) -> tuple[torch.dtype, 
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     plan = _PLANS.get(model) if model is not None else None
     if plan is not None and plan.mode == mode:
-        return torch.float32, describe_format(plan)
+        return torch.float32, describe_format(plan, attention_invariant(model))
     if mode in _LATEST:
         return torch.float32, _LATEST[mode]
     if mode == "exact":
@@ -78,19 +78,25 @@ def _format_name(fmt: str) -> str:
     return f"bf16 ({_bf16_unit()})" if fmt == "bf16" else FORMAT_NAMES[fmt]
 
 
-def describe_format(plan: KernelPlan) -> str:
+def describe_format(plan: KernelPlan, attention: bool = True) -> str:
     """``"exact: fp32"`` or, for the fast mode, which format it runs and why, e.g. ``"fast: bf16 (AMX), chosen by
     measurement: linear layers 1.9x faster than fp16 weights, 2.8x than fp32 (steps of 1-16 tokens, geometric
     mean)"``: the ratios ``layouts.choose_format`` chose by; then whether a row's numbers are the same alone, in a
-    tree and in a prefill (``describe_invariance``)."""
-    return f"{_describe_format(plan)}; {describe_invariance(plan)}"
+    tree and in a prefill (``describe_invariance``; ``attention``: whether the model runs the batch-invariant
+    attention, ``attention_invariant``)."""
+    return f"{_describe_format(plan)}; {describe_invariance(plan, attention)}"
 
 
-def describe_invariance(plan: KernelPlan) -> str:
-    """Whether the plan's kernels give a row the same bits whatever rows go with it, checked on this machine (what
-    makes every method's output plain decoding's), and which layouts it excluded for not doing so."""
+def describe_invariance(plan: KernelPlan, attention: bool = True) -> str:
+    """Whether the plan's linear kernels (and, by ``attention``, the model's attention) give a row the same bits
+    whatever rows go with it, checked on this machine (what makes every method's output plain decoding's), and which
+    layouts the plan left out for not doing so."""
     dropped = sorted({LAYOUTS[n].label for names in plan.excluded.values() for n in names})
     left_out = f" (left out as row-dependent here: {', '.join(dropped)})" if dropped else ""
+    if not attention:
+        return ("NOT batch-invariant: this model's attention is torch's fused kernel (only Llama-family models on a "
+                "CPU with a row-invariant product run the batch-invariant one), so a tree step may decide a float "
+                "near-tie differently from plain decoding")
     if plan.invariant:
         return f"batch-invariant: each row's numbers are the same alone, in a tree or in a prefill{left_out}"
     return ("NOT batch-invariant on this CPU: no layout of the format gave a row the same bits at every row count, "
@@ -238,7 +244,7 @@ def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
                 setattr(parent, name, ChosenLinear(child, plan))
     _HEADS[model] = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
     _PLANS[model] = plan
-    _LATEST[plan.mode] = describe_format(plan)
+    _LATEST[plan.mode] = describe_format(plan, attention_invariant(model))
 
 
 def plan_of(model: nn.Module) -> KernelPlan | None:
@@ -355,6 +361,11 @@ def window(base) -> int | None:
     return base.window if isinstance(base, LeanLlama) else None
 
 
+def attention_invariant(model: nn.Module) -> bool:
+    """Whether ``model``'s decoding steps run the batch-invariant attention (``attention.py``)."""
+    return window(body(model)) is not None
+
+
 def cache_dtype(base, dtype: torch.dtype) -> torch.dtype:
     """The dtype of the KV cache ``base`` reads: fp32 for the batch-invariant attention (computed in fp32 whatever
     the model's format), else the model's ``dtype``."""
@@ -367,7 +378,7 @@ def feed(base, ids: torch.Tensor, cache) -> torch.Tensor:
     window), so a token's hidden state is the same whatever prefill or step computed it."""
     size = window(base)
     past = cache.get_seq_length()
-    if size is None:
+    if size is None or ids.numel() == 0:
         return base(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
     out, done = [], 0
     while done < ids.numel():

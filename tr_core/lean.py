@@ -87,7 +87,8 @@ class LeanLlama:
         """``attention.BLOCK`` where rows are computed alike alone and among others (``attention.py``: fp32 and bf16
         models, where this machine's kernels allow it): then a forward pass's rows must lie in one window of that
         many positions, and the cache holds fp32. None for other dtypes (float64 tests keep torch's SDPA)."""
-        if self.embed.weight.dtype in (torch.float32, torch.bfloat16) and attention.batch_invariant():
+        if (self.embed.weight.dtype in (torch.float32, torch.bfloat16)
+                and attention.batch_invariant(self.heads, self.kv_heads, self.head_dim)):
             return attention.BLOCK
         return None
 
@@ -117,10 +118,10 @@ class LeanLlama:
             if attention_mask is not None:
                 visible = attention_mask[0, 0, :, past:]
                 visible = visible if visible.dtype == torch.bool else visible == 0
-            rows = attention.row_keys(past, position_ids[0], visible)
+            rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
         is_causal = False
         mask = attention_mask
-        if mask is None and n > 1:
+        if rows is None and mask is None and n > 1:
             if past == 0:
                 is_causal = True  # a prefill: SDPA's own causal pattern, as transformers uses it
             else:  # several tokens in a chain on top of the cache: each sees the cache and the tokens up to itself
