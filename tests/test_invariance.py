@@ -244,7 +244,8 @@ def test_a_decoding_step_at_a_windows_end_verifies_its_tree_cut_there(embedded):
     tree = load_template("medium")
     drafter = RecyclingDrafter(AdjacencyMatrix(model.config.vocab_size, 8), tree)
     steps = list(decode(engine.model, prompt, drafter, 12, head=engine.head))
-    assert steps[0].tree_name == f"{tree.name} cut at depth 1" and max(_depths(steps[0].tree_parents)) == 1
+    assert steps[0].tree_name == f"{tree.name} cut at depth 1 at an attention window's end"
+    assert max(_depths(steps[0].tree_parents)) == 1
     for e in steps:  # every step's tree within its root's window
         root = len(prompt) - 1 + e.total_tokens - len(e.new_tokens)
         assert max(_depths(e.tree_parents)) <= attention.window_room(root)

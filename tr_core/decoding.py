@@ -213,7 +213,7 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
         tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
     if window(base) is not None and tree.max_depth > window_room(past_len):
         # the step's rows must lie in one attention window (attention.py): the draft is cut at its end
-        tokens, tree = cut_depth(tokens, tree, window_room(past_len))
+        tokens, tree = cut_depth(tokens, tree, window_room(past_len), "at an attention window's end")
     if tree.parents.device != device:
         tree = tree.to(device)
     positions = (past_len + tree.depth.to(device))[None]

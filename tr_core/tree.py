@@ -211,9 +211,10 @@ def tree_from_parents(parents: list[int], ranks: list[int], name: str = "custom"
     return tree, order
 
 
-def cut_depth(tokens: torch.Tensor, tree: TreeBuffers, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
+def cut_depth(tokens: torch.Tensor, tree: TreeBuffers, max_depth: int,
+              why: str = "") -> tuple[torch.Tensor, TreeBuffers]:
     """The draft ``tokens`` (n,) and ``tree`` without their nodes deeper than ``max_depth``: in BFS order those are
-    the last nodes, so the rest keep their indices (a prefix of the tree). The cut tree's name says so.
+    the last nodes, so the rest keep their indices (a prefix of the tree). The cut tree's name says so, and ``why``.
 
     >>> tree = build_tree([(0,), (1,), (0, 0), (0, 0, 0)], name="t")
     >>> tokens, cut = cut_depth(torch.tensor([7, 8, 9, 10, 11]), tree, 1)
@@ -224,7 +225,8 @@ def cut_depth(tokens: torch.Tensor, tree: TreeBuffers, max_depth: int) -> tuple[
         return tokens, tree
     keep = int((tree.depth <= max_depth).sum())
     cut, _ = tree_from_parents(tree.parents[:keep].tolist(), tree.ranks[:keep].tolist(),
-                               name=f"{tree.name} cut at depth {max_depth}", sources=tree.sources[:keep])
+                               name=f"{tree.name} cut at depth {max_depth}{' ' + why if why else ''}",
+                               sources=tree.sources[:keep])
     return tokens[:keep], cut
 
 
