@@ -15,8 +15,16 @@ from tr_core.decoding import decode, run, tree_mask
 from tr_core.drafters import PlainDrafter, PromptLookupDrafter
 from tr_core.kernels import OutputHead, body, cache_dtype, feed, prepare_model
 from tr_core.kv import new_cache
-from tr_core.layouts import (LAYOUTS, Layout, available_layouts, kernel_plan, linear_shapes, make_plan, mode_formats,
-                             row_invariant)
+from tr_core.layouts import (
+    LAYOUTS,
+    Layout,
+    available_layouts,
+    kernel_plan,
+    linear_shapes,
+    make_plan,
+    mode_formats,
+    row_invariant,
+)
 from tr_core.tree import tree_from_parents
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 20) + "Once upon a time, in a land far away, there lived"

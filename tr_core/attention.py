@@ -107,22 +107,23 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     return RowKeys(start, index, valid, group)
 
 
-def _padded_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows (zero rows added, then dropped):
-    BLAS kernels pick their code path by the shape, and past a few rows the path, and so a row's result, stays."""
+def _at_least(a: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a`` (B, m, k) with zero rows added up to ``rows`` (BLAS kernels pick their code path by the shape, and past
+    a few rows the path, and so a row's result, stays)."""
     m = a.shape[1]
-    if m < rows:
-        a = torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
-    return torch.bmm(a, b)[:, :m]
+    return a if m >= rows else torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
+
+
+def _padded_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows."""
+    return torch.bmm(_at_least(a, rows), b)[:, :a.shape[1]]
 
 
 def _onednn(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
     """The same product by oneDNN's linear kernel on at least ``rows`` rows, one head at a time (``b`` read as a
     transposed weight)."""
-    m = a.shape[1]
-    if m < rows:
-        a = torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
-    return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h], b[h].t(), None, "none", [], "")[:m]
+    padded = _at_least(a, rows)
+    return torch.stack([torch.ops.mkldnn._linear_pointwise(padded[h], b[h].t(), None, "none", [], "")[:a.shape[1]]
                         for h in range(a.shape[0])])
 
 
@@ -141,6 +142,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     _, heads, n, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    if rows.group != group:
+        raise ValueError(f"rows laid out for {rows.group} query heads per kv head; this model has {group}")
     start = rows.start
     # (Hkv, n * group, D): one kv head's queries, row-major by (row, query head); the scale applied first (exact for
     # a power of two, and the same elementwise product for every row either way)
@@ -150,8 +153,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
         k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
     scores = product(qs, k.transpose(1, 2), pad)[:, :, :size]  # (Hkv, n * group, S)
-    if rows.group != group:
-        raise ValueError(f"rows laid out for {rows.group} query heads per kv head; this model has {group}")
     index, hidden = rows.grouped  # (n * group, BLOCK)
     own = scores.gather(2, index.expand(kv_heads, -1, -1)).masked_fill_(hidden, float("-inf"))  # (Hkv, n*group, BLOCK)
     top = own.amax(-1, keepdim=True)
@@ -184,7 +185,7 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: R
 
 
 @functools.cache
-def batch_invariant(heads: int = 9, kv_heads: int = 3, head_dim: int = 64) -> str | None:
+def batch_invariant(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """The first of ``KINDS`` with which ``attend`` gives every row the same bits alone and among others on this
     machine and torch build, for a model of this many query and key/value heads and head size (``_rows_agree``);
     None where none does."""

@@ -25,11 +25,11 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .attention import window_room
 from .drafters import Drafter
 from .events import Rates, RowUpdate, StepEvent
-from .kv import keep_accepted_path, new_cache
-from .attention import window_room
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, window
+from .kv import keep_accepted_path, new_cache
 from .sampling import Sampler, Sampling, draft_probabilities
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree, cut_depth
