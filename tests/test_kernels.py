@@ -101,6 +101,24 @@ def test_exact_mode_chooses_only_fp32_layouts_and_fast_mode_the_fastest_format()
     assert make_plan("fast", t, counts, available=LAYOUTS).fmt == "fp16"
 
 
+def test_with_the_methods_expected_tokens_the_fast_format_is_chosen_by_decoding_speed_and_says_so():
+    from tr_core.kernels import describe_format
+    # fp16 weights: fastest at 1-4 rows, steep beyond; bf16: slower at one row, flat up to 32 rows
+    t = {("8x8", r, "fp16w"): ms for r, ms in ((1, 1.0), (2, 1.1), (4, 1.3), (32, 6.0))}
+    t.update({("8x8", r, "bf16-onednn"): ms for r, ms in ((1, 1.4), (2, 1.4), (4, 1.45), (32, 1.6))})
+    counts = {"8x8": 2}
+    by_step = make_plan("fast", t, counts, available=LAYOUTS)
+    assert by_step.fmt == "fp16" and not by_step.speed
+    few = {1: 1.0, 2: 1.3, 4: 1.5, 32: 1.6}  # trees barely pay: the fastest one-row step decodes fastest
+    assert make_plan("fast", t, counts, available=LAYOUTS, gain=few).fmt == "fp16"
+    many = {1: 1.0, 2: 1.6, 4: 2.2, 32: 4.0}  # a 32-node tree adds 4 tokens a step: bf16's flat cost wins
+    plan = make_plan("fast", t, counts, available=LAYOUTS, gain=many)
+    assert plan.fmt == "bf16" and plan.speed["bf16"][0] == 32 and plan.speed["fp16"][0] == 4
+    said = describe_format(plan)
+    ratio = plan.speed["bf16"][1] / plan.speed["fp16"][1]  # (4 / 3.2) / (2.2 / 2.6)
+    assert "decoding speed" in said and "here 32 nodes" in said and f"{ratio:.2f}x faster than fp16 weights" in said
+
+
 def test_row_counts_between_timed_ones_take_the_next_timed_choice_up_and_more_take_f_linear():
     plan = make_plan("exact", stub({1: "xwt", 2: "wxt", 4: "onednn"}), {"8x8": 1}, available=LAYOUTS)
     assert [plan.layout_for("8x8", r) for r in (1, 2, 3, 4, 5)] == ["xwt", "wxt", "onednn", "onednn", "linear"]

@@ -9,7 +9,7 @@
       prompts/generic.txt                      the prompts the hot-start matrix is built from
       benchmarks/beyond_paper.json             a benchmark's figures for "How it works" (``python -m tr_core.bench_summary``)
 
-``<model>`` is the model's slug (``calibrate.model_slug``), e.g. ``smollm2-135m-instruct``:
+``<model>`` is the model's slug (``model_slug``), e.g. ``smollm2-135m-instruct``:
 
 >>> hot_start_path("smollm2-135m-instruct", 8).name
 'smollm2-135m-instruct-k8.safetensors'
@@ -48,3 +48,16 @@ def hot_start_files(slug: str, top_k: int, folder: Path = HOT_START_DIR) -> list
 def acceptance_path(slug: str, folder: Path = ACCEPTANCE_DIR) -> Path:
     """The file of ``slug``'s acceptance statistics (it may not exist)."""
     return Path(folder) / f"{slug}.json"
+
+
+def model_slug(model) -> str:
+    """The name a model's assets are filed under: the model folder's or hub id's last part, lower-cased."""
+    return Path(str(getattr(model.config, "_name_or_path", "model"))).name.lower() or "model"
+
+
+def acceptance_stats(model, folder: Path = ACCEPTANCE_DIR) -> dict | None:
+    """The model's shipped acceptance statistics (``node_paths``, ``acceptance``, ...), or None where it has none."""
+    import json
+
+    path = acceptance_path(model_slug(model), folder)
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -62,6 +62,20 @@ def likeliest_first(acceptance: Sequence[float]) -> list[int]:
     return [0] + sorted(range(1, len(acceptance)), key=lambda i: (-acceptance[i], i))
 
 
+def expected_tokens(acceptance: Sequence[float]) -> dict[int, float]:
+    """Tokens a step is expected to add with a tree of the N likeliest nodes (``likeliest_first``), for every N from 1
+    to all nodes: the bonus token plus each draft node's share of steps on the accepted path.
+
+    >>> expected_tokens([1.0, 0.2, 0.5, 0.2])
+    {1: 1.0, 2: 1.5, 3: 1.7, 4: 1.9}
+    """
+    order, total, gain = likeliest_first(acceptance), 1.0, {1: 1.0}
+    for n, node in enumerate(order[1:], start=2):
+        total += acceptance[node]
+        gain[n] = round(total, 12)
+    return gain
+
+
 def step_time(sizes: Sequence[int], step_ms: Sequence[float], nodes: int) -> float:
     """The step time (ms) of ``nodes`` nodes, linear between the candidate ``sizes``' ``step_ms``, flat below the
     first and on the last segment's slope (not below 0) beyond the last.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,13 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .assets import ACCEPTANCE_DIR, acceptance_path
-from .decoding import _max_positions, tree_mask
+from .assets import ACCEPTANCE_DIR, acceptance_path, model_slug
+from . import attention, decoding, kv, lean, layouts
+from . import kernels as kernels_module
+from .decoding import _max_positions, top_k, tree_mask
 from .attention import BLOCK
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
-from .layouts import cpu_name
+from .layouts import cpu_name, source_digest
 from .kv import new_cache
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
@@ -38,10 +41,11 @@ from .tree import TreeBuffers, build_tree, load_template
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
-    # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement);
-    # bump the version when the forward path changes
+    # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement), and
+    # the code of the forward path and of this measurement
     plan = plan_of(model)
-    kernels = "gqa-lean-" + (plan.tag() if plan is not None else "torch")
+    code = source_digest(attention, sys.modules[__name__], decoding, kernels_module, kv, lean, layouts)
+    kernels = f"{code}-" + (plan.tag() if plan is not None else "torch")
     device = model.device.type if model.device.type != "cpu" else cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
@@ -74,8 +78,8 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
         prefix = prefix // BLOCK * BLOCK
     elif windowed:  # a short cache: the deepest tree still in the first window
         prefix = max(1, min(prefix, BLOCK - 1 - paper.max_depth))
-    attention = "-invariant" if windowed else ""
-    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired{attention}.json"
+    invariant = "-invariant" if windowed else ""
+    path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired{invariant}.json"
     if use_cache_file and path.is_file() and not remeasure:
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
         if all(n in cached for n in sizes):
@@ -111,7 +115,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
                               use_cache=True).last_hidden_state[0]
                 logits = head(hidden)
                 if n > 1:  # a tree step also takes every node's top-k for the matrix update
-                    torch.topk(logits, 8, dim=-1)
+                    top_k(logits, 8)
                 else:
                     logits.argmax(dim=-1)
                 if device.type == "cuda":
@@ -291,11 +295,6 @@ def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, floa
     count, expected, speedup = best
     chosen = [source.node_paths[i] for i in order[:count]]
     return FittedTree(build_tree(chosen, name=name), expected, speedup, table)
-
-
-def model_slug(model: PreTrainedModel) -> str:
-    """The name assets are filed under: the model folder's or hub id's last part, lower-cased."""
-    return Path(str(getattr(model.config, "_name_or_path", "model"))).name.lower() or "model"
 
 
 def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> bool:

@@ -143,13 +143,12 @@ class RecyclingDrafter(PlainDrafter):
         """Overwrite the rows of the tree's tokens with ``top`` (n, k); returns each distinct token's row change, in
         order of first occurrence."""
         distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
-        index = torch.tensor(distinct, dtype=torch.long, device=tokens.device)
-        old = self.matrix.rows[index].tolist()
+        old = self.matrix.rows_of(distinct)
         if probs is not None and self.matrix.probs is not None:  # a matrix that keeps probabilities (tr-dynamic)
             self.matrix.update(tokens, top, priority=path, probs=probs)
         else:
             self.matrix.update(tokens, top, priority=path)
-        new = self.matrix.rows[index].tolist()
+        new = self.matrix.rows_of(distinct)
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 
     def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:

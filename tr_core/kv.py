@@ -161,7 +161,7 @@ def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path:
     kept = path.numel()
     if tree_size == kept:
         return
-    moved = not torch.equal(path, torch.arange(kept, device=path.device))
+    moved = path.tolist() != list(range(kept))
     if _on_store(cache):  # all layers at once: one gather, one write, then each layer's views shortened
         store = cache.kv_store
         if moved:

@@ -23,6 +23,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,8 +47,6 @@ FORMATS = ("fp32", "fp16", "bf16")
 # (bf16 linears 16 ms against 10.5 for one row, and every other op in bf16 too): slower decoding for trees under ~12.
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
-# bump when the measuring or the candidates change: cached timings of another version are measured again
-VERSION = 4
 
 
 def cpu_has_native_bf16() -> bool:
@@ -57,6 +56,16 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def source_digest(*modules) -> str:
+    """A short digest of the modules' source: a cache keyed by it is measured again whenever that code changes, with
+    no version to bump by hand."""
+    import inspect
+    digest = hashlib.sha1()
+    for module in modules:
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:10]
 
 
 def cpu_name() -> str:
@@ -301,31 +310,69 @@ def format_step_ms(timings: Timings, counts: Mapping[str, int], fmt: str,
 
 
 def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable[str],
-                  available: Iterable[str], invariant: Mapping[str, Iterable[str]] | None = None
-                  ) -> tuple[str, dict[str, dict[int, float]]]:
-    """The format (of ``formats``) with the least total model-step time over the row counts decoding uses, and every
-    candidate format's step times. Totals compare as a geometric mean over the row counts (each row count weighs as
-    a relative speed: a format twice as fast at 81 rows and 10% slower at 1 is not judged by the 81 alone); only
-    row counts above ``FORMAT_MAX_ROWS`` do not count; only formats timed at every row count that any format was timed at
-    compete; a tie (within ``TIE``) goes to the format
-    earlier in ``FORMATS``.
+                  available: Iterable[str], invariant: Mapping[str, Iterable[str]] | None = None,
+                  gain: Mapping[int, float] | None = None) -> tuple[str, dict[str, dict[int, float]]]:
+    """The format (of ``formats``) that decodes fastest, and every candidate format's step times.
+
+    With ``gain`` (tree size N -> the tokens a step of N rows is expected to add, ``budget.expected_tokens``), a
+    format is scored by the decoding speed of the method it serves: the best, over the timed row counts, of tokens
+    per ms of the linear layers' step time (``speed_by_format``). Without it, by the total model-step time over the
+    row counts decoding uses, as a geometric mean (each row count weighs as a relative speed: a format twice as fast
+    at 81 rows and 10% slower at 1 is not judged by the 81 alone); row counts above ``FORMAT_MAX_ROWS`` do not count.
+    Only formats timed at every row count that any format was timed at compete; a tie (within ``TIE``) goes to the
+    format earlier in ``FORMATS``.
 
     >>> t = {("8x8", 1, "linear"): 2.0, ("8x8", 1, "fp16w"): 1.0, ("8x8", 4, "linear"): 4.0, ("8x8", 4, "fp16w"): 2.0}
     >>> choose_format(t, {"8x8": 3}, ("fp32", "fp16"), ("linear", "fp16w"))[0]
     'fp16'
+
+    A format faster at up to 16 rows but steep beyond wins by step time; where a 32-row tree adds 4 tokens a step,
+    the flat one decodes faster (2.7 tokens per ms against 2.2 at 4 rows):
+
+    >>> t = {(s, r, n): ms for s, r, n, ms in [("8x8", 1, "linear", 1.0), ("8x8", 4, "linear", 1.3),
+    ...      ("8x8", 32, "linear", 1.5), ("8x8", 1, "fp16w", 0.6), ("8x8", 4, "fp16w", 0.9), ("8x8", 32, "fp16w", 4.0)]}
+    >>> choose_format(t, {"8x8": 1}, ("fp32", "fp16"), ("linear", "fp16w"))[0]
+    'fp16'
+    >>> choose_format(t, {"8x8": 1}, ("fp32", "fp16"), ("linear", "fp16w"), gain={1: 1.0, 4: 2.0, 32: 4.0})[0]
+    'fp32'
     """
     available = tuple(available)
     steps = {fmt: format_step_ms(timings, counts, fmt, available, invariant) for fmt in formats}
     steps = {fmt: s for fmt, s in steps.items() if s}
     if not steps:
         raise ValueError("no format has timings for every shape")
-    rows = {r for r in set().union(*steps.values()) if r <= FORMAT_MAX_ROWS} or set().union(*steps.values())
-    steps_scored = {fmt: {r: ms for r, ms in s.items() if r in rows} for fmt, s in steps.items()}
-    complete = {fmt: s for fmt, s in steps_scored.items() if set(s) == rows}
-    score = {fmt: statistics.fmean(math.log(ms) for ms in s.values()) for fmt, s in complete.items()}
+    every = set().union(*steps.values())
+    rows = every if gain else ({r for r in every if r <= FORMAT_MAX_ROWS} or every)
+    complete = {fmt: {r: ms for r, ms in s.items() if r in rows} for fmt, s in steps.items()}
+    complete = {fmt: s for fmt, s in complete.items() if set(s) == rows}
+    if gain:
+        score = {fmt: -math.log(speed[1]) for fmt, speed in speed_by_format(complete, gain).items()}
+    else:
+        score = {fmt: statistics.fmean(math.log(ms) for ms in s.values()) for fmt, s in complete.items()}
     best = min(score.values())
     near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
     return min(near, key=FORMATS.index), steps
+
+
+def gain_at(gain: Mapping[int, float], rows: int) -> float:
+    """``gain`` at ``rows`` rows: the largest tree size up to ``rows`` that it gives (1 token below them all)."""
+    known = [n for n in gain if n <= rows]
+    return gain[max(known)] if known else 1.0
+
+
+def speed_by_format(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, float]
+                    ) -> dict[str, tuple[int, float]]:
+    """Per format, the row count where its expected decoding speed peaks and that speed, in tokens per ms of the
+    linear layers' step time (``steps``: format -> rows -> ms; ``gain`` as for ``choose_format``).
+
+    >>> speed_by_format({"bf16": {1: 2.0, 8: 2.5}}, {1: 1.0, 8: 2.0})
+    {'bf16': (8, 0.8)}
+    """
+    out = {}
+    for fmt, by_rows in steps.items():
+        rows = max(by_rows, key=lambda r: (gain_at(gain, r) / by_rows[r], -r))
+        out[fmt] = (rows, gain_at(gain, rows) / by_rows[rows])
+    return out
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
@@ -493,6 +540,9 @@ class KernelPlan:
     # layouts found row-dependent here, per format (what the chooser excluded)
     invariant: bool = False
     excluded: dict[str, list[str]] = field(default_factory=dict)
+    # with the method's expected tokens per step (``choose_format``'s ``gain``): per format, the row count where its
+    # decoding speed peaks and that speed (tokens per ms of the linear layers); empty where chosen by step time alone
+    speed: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def layout_for(self, shape: str, rows: int) -> str:
         """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
@@ -509,12 +559,14 @@ class KernelPlan:
 
 
 def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available: Iterable[str],
-              source: str = "measured here", invariant: Mapping[str, Iterable[str]] | None = None) -> KernelPlan:
+              source: str = "measured here", invariant: Mapping[str, Iterable[str]] | None = None,
+              gain: Mapping[int, float] | None = None) -> KernelPlan:
     """The plan for ``mode`` from timings (pure): the format by ``choose_format``, then per shape and row count the
     fastest layout of that format (``choose_layouts``). Given ``invariant`` (shape -> the families found
     row-invariant here, ``row_invariant``), only formats where every shape has such a family compete, and each
     shape runs its fastest family at every row count (``choose_families``); where no format has one for every
-    shape, the plan falls back to the fastest layouts and says it is not row-invariant."""
+    shape, the plan falls back to the fastest layouts and says it is not row-invariant. ``gain``: the method's
+    expected tokens per step by tree size, to choose the format by decoding speed (``choose_format``)."""
     available = tuple(available)
     formats = mode_formats(mode)
     steady = None
@@ -524,7 +576,7 @@ def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available:
             (sh, r) for sh, r, n in timings if n in available and LAYOUTS[n].fmt == f}]
         if whole:
             formats, steady = tuple(whole), invariant
-    fmt, steps = choose_format(timings, counts, formats, available, steady)
+    fmt, steps = choose_format(timings, counts, formats, available, steady, gain)
     mine = [n for n in available if LAYOUTS[n].fmt == fmt]
     chosen = choose_layouts(timings, mine) if steady is None else choose_families(timings, mine, steady)
     rows = tuple(sorted({r for _, r in chosen}))
@@ -540,7 +592,11 @@ def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available:
                           and f"{n}{PAD}2" not in invariant.get(sh, ())})
             if bad:
                 excluded[f] = bad
-    return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source, steady is not None, excluded)
+    speed = {}
+    if gain and len(steps) > 1:
+        speed = speed_by_format({f: s for f, s in steps.items() if set(s) >= set(steps[fmt])}, gain)
+    return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source, steady is not None, excluded,
+                      speed)
 
 
 def cache_key(model: nn.Module, mode: str) -> str:
@@ -550,7 +606,7 @@ def cache_key(model: nn.Module, mode: str) -> str:
     shapes = "_".join(f"{s}x{len(ls)}" if s != HEAD else f"h{ls[0].out_features}"
                       for s, ls in sorted(linear_shapes(model).items()))
     dtype = str(model.get_output_embeddings().weight.dtype).removeprefix("torch.")
-    raw = (f"v{VERSION}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}-t{torch.get_num_threads()}"
+    raw = (f"{source_digest(sys.modules[__name__])}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}-t{torch.get_num_threads()}"
            f"-torch{torch.__version__}")
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)[:240]
 
@@ -561,29 +617,30 @@ def cache_path(model: nn.Module, mode: str) -> Path:
 
 
 def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
-                **measure_kw) -> KernelPlan:
+                gain: Mapping[int, float] | None = None, **measure_kw) -> KernelPlan:
     """The plan for ``model`` (fp32, on the CPU) in ``mode``: from this machine's cached timings, else (or with
-    ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and cached."""
+    ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and cached. ``gain``: see ``make_plan``."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
     path = cache_path(model, mode)
     if use_cache_file and not remeasure and path.is_file():
         data = json.loads(path.read_text())
         timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"]}
-        return make_plan(mode, timings, counts, data["available"], source="cached", invariant=data["invariant"])
+        return make_plan(mode, timings, counts, data["available"], source="cached", invariant=data["invariant"],
+                         gain=gain)
     invariant = row_invariant(_shape_sizes(model), layouts)
     timings, busy = measure(model, layouts, report_busy=True, **measure_kw)
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
         # time slice while other processes ran): used by this process, measured again by the next
         return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached",
-                         invariant=invariant)
+                         invariant=invariant, gain=gain)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                                     "invariant": invariant,
                                     "timings": [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]},
                                    indent=0))
-    return make_plan(mode, timings, counts, layouts, invariant=invariant)
+    return make_plan(mode, timings, counts, layouts, invariant=invariant, gain=gain)
 
 
 def _shape_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:

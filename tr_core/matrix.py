@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -104,6 +105,13 @@ class AdjacencyMatrix:
         """
         if tree.max_rank >= self.k:
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank} but the matrix keeps only k={self.k}")
+        if self.rows.device.type == "cpu":  # numpy's indexing of a few dozen ids costs ~1 us where torch's costs ~10
+            rows, parents, ranks = self.rows.numpy(), tree.parent_list, tree.rank_list
+            found = np.empty(tree.size, dtype=np.int64)
+            found[0] = root
+            for start, stop in tree.levels:
+                found[start:stop] = rows[found[parents[start:stop]], ranks[start:stop]]
+            return torch.from_numpy(found)
         tokens = torch.empty(tree.size, dtype=torch.long, device=self.rows.device)
         tokens[0] = root
         flat = self.rows.view(-1)
@@ -111,6 +119,12 @@ class AdjacencyMatrix:
             parent_tokens = tokens[tree.parents[start:stop]]
             tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
         return tokens
+
+    def rows_of(self, ids: list[int]) -> list[list[int]]:
+        """The rows of ``ids``, as Python lists."""
+        if self.rows.device.type == "cpu":
+            return self.rows.numpy()[ids].tolist()
+        return self.rows[torch.tensor(ids, device=self.rows.device)].tolist()
 
     def update(self, tokens: torch.Tensor, top: torch.Tensor, priority: torch.Tensor | None = None,
                probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,16 +152,19 @@ class AdjacencyMatrix:
         else:
             new_probs = probs[:, :self.k].to(torch.float16)
             self._count(probs[:, :self.k])
-        if priority is None:
-            groups = [slice(None)]
-        else:
-            order = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-            order[priority] = False
-            groups = [order.nonzero().flatten(), priority]
-        for nodes in groups:  # later groups overwrite earlier ones
-            self.rows[tokens[nodes]] = new_rows[nodes]
-            if new_probs is not None:
-                self.probs[tokens[nodes]] = new_probs[nodes]
+        # each token's winning node: its last occurrence, or its last occurrence on the accepted path
+        toks = tokens.tolist()
+        winner = {t: i for i, t in enumerate(toks)}
+        if priority is not None:
+            for i in priority.tolist():
+                winner[toks[i]] = i
+        ids, nodes = list(winner), list(winner.values())
+        targets = [(self.rows, new_rows)] + ([] if new_probs is None else [(self.probs, new_probs)])
+        for table, values in targets:  # distinct ids: one write each, in no particular order
+            if table.device.type == "cpu":
+                table.numpy()[ids] = values.numpy()[nodes]
+            else:
+                table[torch.tensor(ids, device=table.device)] = values[torch.tensor(nodes, device=table.device)]
         return new_rows
 
     def seed(self, token_ids: torch.Tensor, logits: torch.Tensor) -> None:

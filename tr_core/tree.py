@@ -97,9 +97,18 @@ class TreeBuffers:
         """``paths`` as Python tuples without the padding: every root-to-leaf path's node indices, root first."""
         return tuple(tuple(i for i in row if i >= 0) for row in self.paths.tolist())
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return int(self.ranks.max()) if self.size > 1 else -1
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as a Python list (read by every step's event, and by the matrix's retrieval on CPU)."""
+        return self.parents.tolist()
+
+    @cached_property
+    def rank_list(self) -> list[int]:
+        return self.ranks.tolist()
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
         return TreeBuffers(
