@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from html import escape
 from contextlib import contextmanager
+from html import escape
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -27,22 +27,33 @@ from tr_core.kernels import MODES  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
-from ui.explain import EXPLAIN_CSS, build_tab as explain_tab  # noqa: E402
-from ui.inputs import (MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id,  # noqa: E402
-                       check_step)
+from ui.explain import EXPLAIN_CSS  # noqa: E402
+from ui.explain import build_tab as explain_tab
+from ui.inputs import MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
-from ui.page import (BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER,  # noqa: E402
-                     TREE_PLACEHOLDER)
-from ui.render import (ANSWER_LEGEND, RaceRun, answer_html, method_label, counters_html, decoding_speed,  # noqa: E402
-                       finished_status, history_html, lanes_html, ms_per_step, notice_html, race_summary,
-                       race_table_html, race_verdict)
+from ui.page import BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
+from ui.render import (  # noqa: E402
+    ANSWER_LEGEND,
+    RaceRun,
+    answer_html,
+    counters_html,
+    decoding_speed,
+    finished_status,
+    history_html,
+    lanes_html,
+    method_label,
+    ms_per_step,
+    notice_html,
+    race_summary,
+    race_table_html,
+    race_verdict,
+)
 from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
-from ui.settings import (DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help,  # noqa: E402
-                         tree_choices)
+from ui.settings import DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
 from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
-from visualize.palette import wrap  # noqa: E402
 from visualize.charts import step_latency_figure  # noqa: E402
+from visualize.palette import wrap  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -82,8 +93,8 @@ SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a
            "through the method in nine pages.")
 CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to what a forward pass costs here, and "
               "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
-              f"decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the {WATCH_TREE} "
-              "tree.")
+              "decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the "
+              f"{WATCH_TREE} tree.")
 RACE_ROUNDS_NOTE = (f"Each method runs **{RACE_ROUNDS} times, interleaved**: a round runs every method once, in an "
                     "order rotated each round, and the table gives the median with its range (min–max). Every run of "
                     "a matrix method starts from a fresh copy of your matrix: nothing a run teaches carries over to "

@@ -24,8 +24,11 @@ VOCAB = 256
 
 
 def pytest_configure(config):
+    # the tiers: `bash scripts/test.sh --fast` leaves out what is marked app, load or slow; the whole suite runs all
     config.addinivalue_line("markers", "load: many requests against one launched app (minutes); CI runs them, "
                                        "-m 'not load' skips them locally")
+    config.addinivalue_line("markers", "app: a launched app, a browser or gradio's page (left out by --fast)")
+    config.addinivalue_line("markers", "slow: a test of ten seconds or more (left out by --fast)")
 
 
 def _on_this_machine(host) -> bool:

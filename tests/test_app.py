@@ -13,21 +13,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 
-import app  # noqa: E402
 from conftest import ROOT  # noqa: E402
+
+import app  # noqa: E402
 from tr_core.engine import Engine  # noqa: E402
 from tr_core.events import Rates, RowUpdate, StepEvent  # noqa: E402
 from tr_core.matrix import AdjacencyMatrix  # noqa: E402
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError  # noqa: E402
 from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
-from ui.inputs import InputError  # noqa: E402
 from ui import models as models_mod  # noqa: E402
+from ui.inputs import InputError  # noqa: E402
 from ui.models import ModelCache  # noqa: E402
-from ui.render import (Baseline, RaceRun, Spread, answer_html, counters_html, first_different_token,  # noqa: E402
-                       history_html, lanes_html, race_summary, race_table_html, race_verdict, split_step)
+from ui.render import (  # noqa: E402
+    Baseline,
+    RaceRun,
+    Spread,
+    answer_html,
+    counters_html,
+    first_different_token,
+    history_html,
+    lanes_html,
+    race_summary,
+    race_table_html,
+    race_verdict,
+    split_step,
+)
 from ui.run import Every, LiveRun, Race, tree_note  # noqa: E402
 from ui.session import Session, starting_matrix  # noqa: E402
 from ui.settings import Settings, tree_choices, tree_names  # noqa: E402
@@ -35,7 +47,7 @@ from ui.settings import Settings, tree_choices, tree_names  # noqa: E402
 PROMPT = "Name three colours."
 NEW_TOKENS = 16
 # gradio's queue calls a pandas option that pandas 3 deprecates: not ours to fix
-pytestmark = [pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)"),
+pytestmark = [pytest.mark.app, pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)"),
               pytest.mark.usefixtures("no_outside_network")]  # nothing this process does leaves 127.0.0.1
 
 
@@ -224,7 +236,8 @@ def test_the_tree_note_says_what_the_run_drafts_with():
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "small") == "tree small: 12 draft nodes"
     empty = SimpleNamespace(tree=SimpleNamespace(size=1, name="auto"), fitted=fitted, adaptive=False)
     assert tree_note(empty, "auto").startswith("tree auto: no draft nodes to start with: on this machine, verifying")
-    assert tree_note(empty, "auto").endswith("so the fitted tree is plain decoding; pick another tree to watch drafting")
+    assert tree_note(empty, "auto").endswith(
+        "so the fitted tree is plain decoding; pick another tree to watch drafting")
     empty.adaptive = True
     assert tree_note(empty, "auto").endswith("then sizes each step's tree by the step times it measures (the "
                                              "tree-budget chart shows why)")
@@ -585,7 +598,8 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
 
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
-    assert re.match(r"(?i)(decoding )?step 0 \(tr, tree small\)", json.loads(shown[1]["plot"])["layout"]["title"]["text"])
+    assert re.match(r"(?i)(decoding )?step 0 \(tr, tree small\)",
+                    json.loads(shown[1]["plot"])["layout"]["title"]["text"])
 
 
 def test_the_auto_tree_shows_its_budget_at_every_step(client):

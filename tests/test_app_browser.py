@@ -15,8 +15,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-
 from test_app import app_models, served  # noqa: F401  (fixtures: the launched app on the embedded model)
+
 from tr_core.spec_bench import load_questions, stratified
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -26,7 +26,8 @@ PROMPT = "Explain how a bicycle works, in a few sentences."
 NEW_TOKENS = 24
 RACE_TOKENS = 16
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
-pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")  # gradio + pandas 3
+pytestmark = [pytest.mark.app,
+              pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")]  # gradio + pandas 3
 
 if not CHROMIUM.exists():
     # CI installs it (scripts/test.sh); a developer machine without it skips, but CI must not pass without it.

@@ -19,16 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from safetensors.torch import load_file
+from test_app import app_models, free_port, served, visible_text  # noqa: F401  (fixtures)
 
 import app
-from conftest import ROOT
-from test_app import app_models, free_port, served, visible_text  # noqa: F401  (fixtures)
-from tr_core.models import embedded_model_folder, encode_prompt
 from tr_core.assets import HOT_START_DIR
+from tr_core.models import embedded_model_folder, encode_prompt
 
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
-pytestmark = [pytest.mark.usefixtures("no_outside_network"),
+pytestmark = [pytest.mark.app, pytest.mark.usefixtures("no_outside_network"),
               pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")]  # gradio + pandas 3
 
 # A made-up word: its tokens are in no row of the shipped hot-start matrix, so a draft tree can only hold them if

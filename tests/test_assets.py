@@ -2,9 +2,9 @@
 
 import json
 
+from conftest import ROOT
 from safetensors import safe_open
 
-from conftest import ROOT
 from tr_core.assets import ASSETS_DIR, acceptance_path, hot_start_files, hot_start_path
 from tr_core.build_assets import generic_prompts
 from tr_core.matrix import AdjacencyMatrix

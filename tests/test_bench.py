@@ -7,9 +7,22 @@ import pytest
 
 import benchmark
 from tr_core import bench
-from tr_core.bench import (MethodRunner, Record, bootstrap_median_interval, compare, main, measure_question,
-                           median_round, pairwise, predicted_vs_measured, prediction_table, question_contexts,
-                           round_orders, speedup_on, verdict)
+from tr_core.bench import (
+    MethodRunner,
+    Record,
+    bootstrap_median_interval,
+    compare,
+    main,
+    measure_question,
+    median_round,
+    pairwise,
+    predicted_vs_measured,
+    prediction_table,
+    question_contexts,
+    round_orders,
+    speedup_on,
+    verdict,
+)
 from tr_core.decoding import DecodeResult
 
 # The keys of results.json as the benchmark wrote them before it measured in rounds (a run of that code on the tiny
@@ -32,7 +45,8 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     questions.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "out"
     assert main(["--model", str(folder), "--questions", str(questions), "--per-category", "2",
-                 "--max-new-tokens", "12", "--rounds", "2", "--methods", "pld,tr,tr-paper,tr-cold", "--out", str(out)]) == 0
+                 "--max-new-tokens", "12", "--rounds", "2", "--methods", "pld,tr,tr-paper,tr-cold",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert set(results["methods"]) == {"plain", "pld", "tr", "tr-paper", "tr-cold"}

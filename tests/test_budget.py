@@ -196,8 +196,9 @@ def test_the_budget_figure_holds_the_estimates_and_marks_the_choice():
     assert [tuple(c) for c in line.customdata] == list(zip(est["step_ms"], est["expected_tokens"]))
     best = max(range(len(line.y)), key=lambda i: line.y[i])
     assert chosen.name == CHOSEN and list(chosen.x) == [line.x[best]] == [event.budget]
-    assert fig.layout.title.text.replace("<br>", " ") == (f"step 12: {event.budget} draft nodes, the most expected tokens/s "
-                                     f"({max(line.y):.1f}) at the step times measured so far")
+    assert fig.layout.title.text.replace("<br>", " ") == (
+        f"step 12: {event.budget} draft nodes, the most expected tokens/s "
+        f"({max(line.y):.1f}) at the step times measured so far")
     explored = budget_event(13, budget)  # every second step tries the neighbour above
     line, best_mark, tried = budget_figure(explored).data
     assert (best_mark.name, tried.name) == (BEST, EXPLORED) and best_mark.marker.symbol != tried.marker.symbol

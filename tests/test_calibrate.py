@@ -1,8 +1,8 @@
 """Fitting the tree to the hardware: the choice follows the cost curve and the acceptance statistics."""
 
 import pytest
-
 from conftest import tiny_model
+
 from tr_core import AdjacencyMatrix, RecyclingDrafter, load_template, run
 from tr_core.calibrate import fit_tree, interpolate, measure_forward_ms, node_acceptance
 

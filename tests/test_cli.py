@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, reference_greedy
+
 from tr_core.__main__ import main
 
 

@@ -7,14 +7,21 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import VOCAB, reference_greedy, tiny_model
+
 from tr_core import AdjacencyMatrix, PlainDrafter, load_template, run
 from tr_core.budget import TreeBudget, candidate_sizes
-from tr_core.context import (BranchAcceptance, ContextIndex, ContextRecyclingDrafter, PlusRecyclingDrafter,
-                             SuffixDrafter, graft, split_budget, step_time)
+from tr_core.context import (
+    BranchAcceptance,
+    ContextIndex,
+    ContextRecyclingDrafter,
+    PlusRecyclingDrafter,
+    SuffixDrafter,
+    graft,
+    split_budget,
+    step_time,
+)
 from tr_core.drafters import Drafter, nested_trees
-
 
 # --- the index ------------------------------------------------------------------------------------------------------
 

@@ -8,7 +8,6 @@ import doctest
 import importlib
 
 import pytest
-
 from conftest import ROOT
 
 PACKAGES = ("tr_core", "visualize", "ui")

@@ -5,12 +5,21 @@ import inspect
 
 import pytest
 import torch
-
 from conftest import VOCAB, reference_greedy, tiny_model
-from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, build_tree, decode, run
-from tr_core import decoding, drafters
-from tr_core.decoding import stop_rule
+
+from tr_core import (
+    AdjacencyMatrix,
+    PlainDrafter,
+    PromptLookupDrafter,
+    RecyclingDrafter,
+    build_tree,
+    decode,
+    decoding,
+    drafters,
+    run,
+)
 from tr_core.budget import TreeBudget
+from tr_core.decoding import stop_rule
 from tr_core.drafters import AdaptiveRecyclingDrafter, Drafter, nested_trees
 
 

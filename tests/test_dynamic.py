@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import VOCAB, reference_greedy
 from test_lossless import NEW_TOKENS, oracle_matrix, prompts
+
 from tr_core import AdjacencyMatrix, run
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.drafters import Drafter

@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_model
 from transformers import DynamicCache
 
-from conftest import VOCAB, tiny_model
 from tr_core import AdjacencyMatrix, RecyclingDrafter, StepEvent, build_tree, decode
 from tr_core.decoding import tree_mask
 from tr_core.kv import keep_accepted_path
@@ -160,7 +160,8 @@ def test_accept_takes_the_longest_agreeing_path_and_the_first_on_a_tie():
 def test_the_auto_tree_adapts_and_the_engine_keeps_its_budget(monkeypatch, tmp_path, tiny_folder):
     """"auto" with acceptance statistics -> the adaptive drafter, started at the fitted size; "auto-N" stays fixed.
     Engines of one config share the budget; another config gets its own."""
-    from tr_core import engine as engine_module, load_template
+    from tr_core import engine as engine_module
+    from tr_core import load_template
     from tr_core.calibrate import fit_tree
     from tr_core.drafters import AdaptiveRecyclingDrafter
     from tr_core.engine import Engine, EngineConfig

@@ -15,12 +15,20 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-
 from conftest import ROOT
+
 from tr_core.spec_bench import load_questions
 from ui import lesson
-from ui.explain import (build_tab, clamp, explorer_choices, explorer_html, indicator_html, page_updates,
-                        resolve_token, row_history)
+from ui.explain import (
+    build_tab,
+    clamp,
+    explorer_choices,
+    explorer_html,
+    indicator_html,
+    page_updates,
+    resolve_token,
+    row_history,
+)
 from ui.lesson import PAGES
 from visualize import ancestor_mask, label, shown_rows
 from visualize.lesson_fig import row_before
@@ -359,8 +367,9 @@ def no_model_app():
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (scripts/test.sh installs it)")
     os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
-    import app
     from test_app import free_port
+
+    import app
     from ui.models import ModelCache
 
     def refuse(*args, **kwargs):
@@ -395,6 +404,7 @@ def _wait_for_page(page, n: int, title: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword)")
+@pytest.mark.app
 def test_the_tab_walks_through_every_page_without_a_model(no_model_app, tmp_path):
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
     url, models = no_model_app

@@ -5,11 +5,21 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import ROOT
+
 from tr_core.models import embedded_model_folder, encode_prompt
-from ui.inputs import (MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, InputError, Prompt, check_model_id, check_number,
-                       check_step, clean_prompt, prompt_ids, prompt_limit)
+from ui.inputs import (
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    InputError,
+    Prompt,
+    check_model_id,
+    check_number,
+    check_step,
+    clean_prompt,
+    prompt_ids,
+    prompt_limit,
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +100,9 @@ def test_the_model_box_takes_hub_ids_and_folders_only_where_allowed(tmp_path):
                          ("https://huggingface.co/", "names no model")]:
         with pytest.raises(InputError, match=message):
             check_model_id(url, True)  # never taken for a folder, even where folders are allowed
-    for bad, message in [("not a model!", "is not a hub id"), ("org/a..b", "is not a hub id"), ("org/a--b", "is not a hub id"),
-                         ("x\x00y", "control or invisible characters"), ("x" * 201, "at most 200 characters"),
-                         (7, "The model must be a hub id")]:
+    for bad, message in [("not a model!", "is not a hub id"), ("org/a..b", "is not a hub id"),
+                         ("org/a--b", "is not a hub id"), ("x\x00y", "control or invisible characters"),
+                         ("x" * 201, "at most 200 characters"), (7, "The model must be a hub id")]:
         with pytest.raises(InputError, match=message):
             check_model_id(bad, False)
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import reference_greedy, tiny_model
+
 from tr_core import kernels, layouts
 from tr_core.kernels import OutputHead, fp16_weights_available, mode_dtype, prepare_model
 from tr_core.layouts import LAYOUTS, available_layouts, choose_format, choose_layouts, linear_shapes, make_plan
@@ -308,7 +308,9 @@ def test_the_bf16_format_converts_the_model_and_computes_within_bf16_rounding():
 
 def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():
     import os
+
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
     from tr_core.kernels import GQA_SWITCH, prepare_model
     model = tiny_model("llama", dtype=torch.float32)
     prepare_model(model, "exact")

@@ -1,8 +1,8 @@
 """The preallocated KV cache: grows without copying, keeps only the accepted path, in one gather where it can."""
 
 import torch
-
 from conftest import tiny_model
+
 from tr_core.kv import PreallocatedLayer, _on_store, keep_accepted_path, new_cache
 
 
@@ -15,7 +15,8 @@ def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():
     for r in rows:
         for each in cache.layers:
             each.update(r, r + 100)
-    assert layer.keys[0, 1, :, 3].tolist() == list(range(9)) and layer.values[0, 0, :, 0].tolist() == list(range(100, 109))
+    assert layer.keys[0, 1, :, 3].tolist() == list(range(9)) and \
+        layer.values[0, 0, :, 0].tolist() == list(range(100, 109))
     buffer = layer._key_buf
     # a 3-node tree after 6 context positions, whose path keeps nodes 0 and 2: written in place, then cut
     keep_accepted_path(cache, 6, 3, torch.tensor([0, 2]))

@@ -20,7 +20,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 FORBIDDEN = {  # package -> the top-level modules none of its modules may import

@@ -3,14 +3,14 @@ attention (float64), to float tolerance where it runs the batch-invariant attent
 
 import pytest
 import torch
-
 from conftest import tiny_model
+from transformers import DynamicCache
+
 from tr_core.decoding import tree_mask
 from tr_core.kernels import body
 from tr_core.kv import new_cache
 from tr_core.lean import LeanLlama, supports
 from tr_core.tree import build_tree, load_template
-from transformers import DynamicCache
 
 
 def _steps(forward, model, cache):

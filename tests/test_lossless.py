@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import VOCAB, reference_greedy
+
 from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, load_template, run
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
@@ -92,7 +92,8 @@ def test_stops_exactly_at_eos_and_budget(tiny):
     ref = reference_greedy(model, prompt, NEW_TOKENS)
     eos = ref[20]
     cut = ref.index(eos) + 1
-    for drafter in (PlainDrafter(), PromptLookupDrafter(), RecyclingDrafter(oracle_matrix(model, prompt, ref), load_template("paper"))):
+    for drafter in (PlainDrafter(), PromptLookupDrafter(),
+                    RecyclingDrafter(oracle_matrix(model, prompt, ref), load_template("paper"))):
         result = run(model, prompt, drafter, NEW_TOKENS, eos_ids={eos})
         assert result.token_ids == ref[:cut] and result.stop_reason == "eos"
         for budget in (1, 5, 17):

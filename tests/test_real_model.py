@@ -3,7 +3,16 @@ against plain greedy decoding."""
 
 import torch
 
-from tr_core import AdjacencyMatrix, PlainDrafter, RecyclingDrafter, TokenText, encode_prompt, eos_token_ids, load_template, run
+from tr_core import (
+    AdjacencyMatrix,
+    PlainDrafter,
+    RecyclingDrafter,
+    TokenText,
+    encode_prompt,
+    eos_token_ids,
+    load_template,
+    run,
+)
 from tr_core.spec_bench import load_questions, stratified
 
 NEW_TOKENS = 48

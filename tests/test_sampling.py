@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
 from conftest import VOCAB, tiny_model
 from test_real_model import NEAR_TIE
-from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, load_template, run
-from tr_core import decoding
+
+from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, decoding, load_template, run
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.context import ContextRecyclingDrafter, PlusRecyclingDrafter, SuffixDrafter
 from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
@@ -78,7 +77,10 @@ def reference_processed(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def test_the_filters_keep_what_the_definition_keeps():
     # hand-worked: probabilities 0.5, 0.3, 0.15, 0.05
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = lambda **kw: Sampling(1.0, **kw).processed(logits).isfinite()[0].tolist()
+
+    def kept(**kw):
+        return Sampling(1.0, **kw).processed(logits).isfinite()[0].tolist()
+
     assert kept() == [True] * 4
     assert kept(top_p=0.5) == [True, False, False, False]  # 0.5 reaches 0.5
     assert kept(top_p=0.79) == [True, True, False, False]

@@ -17,17 +17,38 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from visualize import (accepted_length_figure, label, load_trace, mask_figure, matrix_figure, node_roles,  # noqa: E402
-                       race_figure, shown_rows, speedup_figure, text_lookup, token_text_map, tree_animation,
-                       tree_figure, tree_layout, visible)
-from visualize.charts import KEY_NUMBER, step_latency_figure  # noqa: E402
-from visualize.matrix_fig import ACCEPTED, CHANGED, COMPACT_RANKS, MOVED, SAME, cell_text  # noqa: E402
-from visualize.lesson_fig import retrieval_figure, row_figure  # noqa: E402
-from visualize.palette import (BLACK, BLUE, CONTEXT_EDGE, GREY, NODE_ROLES, NODE_SOURCES, ORANGE,  # noqa: E402
-                               VERMILLION)
 from tr_core.events import RowUpdate, StepEvent  # noqa: E402
-from visualize.tree_fig import (CHAR_EM, RANK_TEXT_NODES, RANK_X, TEXT_PAD, event_layout, has_context,  # noqa: E402
-                                label_chars, step_layout)
+from visualize import (  # noqa: E402
+    accepted_length_figure,
+    label,
+    load_trace,
+    mask_figure,
+    matrix_figure,
+    node_roles,
+    race_figure,
+    shown_rows,
+    speedup_figure,
+    text_lookup,
+    token_text_map,
+    tree_animation,
+    tree_figure,
+    tree_layout,
+    visible,
+)
+from visualize.charts import KEY_NUMBER, step_latency_figure  # noqa: E402
+from visualize.lesson_fig import retrieval_figure, row_figure  # noqa: E402
+from visualize.matrix_fig import ACCEPTED, CHANGED, COMPACT_RANKS, MOVED, SAME, cell_text  # noqa: E402
+from visualize.palette import BLACK, BLUE, CONTEXT_EDGE, GREY, NODE_ROLES, NODE_SOURCES, ORANGE, VERMILLION  # noqa: E402
+from visualize.tree_fig import (  # noqa: E402
+    CHAR_EM,
+    RANK_TEXT_NODES,
+    RANK_X,
+    TEXT_PAD,
+    event_layout,
+    has_context,
+    label_chars,
+    step_layout,
+)
 from visualize.tree_layout import ROLES  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="hot-start matrix: 'shipped' (assets/hot_start, if built for this model), a file, or 'none'")
     p.add_argument("--seed-prompt", action=argparse.BooleanOptionalAction, default=True,
                    help="seed the matrix from the prompt's prefill logits (default: on)")
-    p.add_argument("--mode", choices=MODES, default="exact", help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
+    p.add_argument("--mode", choices=MODES, default="exact",
+                   help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; above 0: sample, with every method's output equal to plain sampling's "
                         "for the same --seed")
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(result.text)
         print(f"\n[{args.method}] {len(result.token_ids)} tokens in {result.steps} steps, "
-              f"mean accepted tokens {result.rates.mean_accepted_tokens:.2f}, {result.rates.tokens_per_s:.1f} tokens/s, "
+              f"mean accepted tokens {result.rates.mean_accepted_tokens:.2f}, "
+              f"{result.rates.tokens_per_s:.1f} tokens/s, "
               f"stopped by {result.stop_reason}; {sampling.describe()}", file=sys.stderr)
     return 0
 

@@ -7,7 +7,8 @@
       traces/<name>.json, <name>.meta.json     the runs "How it works" replays (``python -m tr_core.record_trace``)
       spec_bench/question.jsonl                the benchmark's questions (own copy, Apache-2.0)
       prompts/generic.txt                      the prompts the hot-start matrix is built from
-      benchmarks/beyond_paper.json             a benchmark's figures for "How it works" (``python -m tr_core.bench_summary``)
+      benchmarks/beyond_paper.json             a benchmark's figures for "How it works"
+                                               (``python -m tr_core.bench_summary``)
 
 ``<model>`` is the model's slug (``model_slug``), e.g. ``smollm2-135m-instruct``:
 

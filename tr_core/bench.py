@@ -11,9 +11,9 @@ options, runs this benchmark, then draws ``speedup.html`` and ``tree_size.html``
 Methods: ``plain`` (greedy, one token per forward), ``pld`` (Prompt Lookup), ``tr`` (Token Recycling with the tree
 fitted to this machine, matrix seeded from each prompt), ``tr-paper`` (the paper's 81-node tree), and ``tr-cold``
 (the fitted tree from an empty matrix on every question); beyond the paper (``methods.py``): ``suffix`` (drafts from the
-context's suffix index alone, a third baseline), ``tr-context``, ``tr-dynamic`` and ``tr-plus``. Token Recycling starts from the shipped hot-start matrix
-and carries it across questions, as the paper's hot start does. All methods share one model in one mode, so
-speedups compare like with like.
+context's suffix index alone, a third baseline), ``tr-context``, ``tr-dynamic`` and ``tr-plus``. Token Recycling starts
+from the shipped hot-start matrix and carries it across questions, as the paper's hot start does. All methods share
+one model in one mode, so speedups compare like with like.
 
 The machine drifts (its speed moves by up to 2x within minutes), so the methods are measured close together in time:
 each question is decoded ``--rounds`` times by every method, each round running every method once, in an order
@@ -51,9 +51,9 @@ from tqdm import tqdm
 from .calibrate import context_curve, context_weights, describe_context, interpolate
 from .decoding import DecodeResult
 from .engine import Engine, EngineConfig
-from .methods import METHODS
 from .kernels import mode_dtype
 from .layouts import cpu_name
+from .methods import METHODS
 from .models import encode_prompt
 from .sampling import Sampling
 from .spec_bench import Question, load_questions, stratified
@@ -307,7 +307,8 @@ def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
         "overhead_ms_per_step": round(sum(r.overhead_ms for r in records) / sum(r.steps for r in records), 3),
         # where the time went: the decoding steps per generated token, and what each question spent outside its
         # steps (the prompt's prefill, which every method pays alike, and a drafter's seeding from it)
-        "step_ms_per_token": round(sum(r.forward_ms + r.overhead_ms for r in records) / sum(r.tokens for r in records), 3),
+        "step_ms_per_token": round(
+            sum(r.forward_ms + r.overhead_ms for r in records) / sum(r.tokens for r in records), 3),
         "outside_steps_s_per_question": round(statistics.mean(
             r.seconds - (r.forward_ms + r.overhead_ms) / 1e3 for r in records), 4),
     }
@@ -357,10 +358,12 @@ def prediction_table(results: dict) -> str:
         measured_cost = (m["forward_ms_per_step"] + m["overhead_ms_per_step"]) / plain_step
         rows.append(f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | "
                     f"{m['mean_accepted_tokens']:.2f} | {cost:.2f}x | {measured_cost:.2f}x | "
-                    f"{m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | {m['predicted_steps_error_pct']:+.0f}% | "
+                    f"{m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | "
+                    f"{m['predicted_steps_error_pct']:+.0f}% | "
                     f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | "
                     f"{m['predicted_tokens_per_s_error_pct']:+.0f}% | {interval_text(m)} | " + (
-                        f"{m['predicted_speedup_through_run']:.2f}x | {m['predicted_through_run_steps_error_pct']:+.0f}% |"
+                        f"{m['predicted_speedup_through_run']:.2f}x | "
+                        f"{m['predicted_through_run_steps_error_pct']:+.0f}% |"
                         if "predicted_speedup_through_run" in m else "- | - |"))
     return "\n".join(rows)
 
@@ -394,7 +397,8 @@ def drift_line(before: dict, after: dict) -> str:
     't(N) / t(1), measured before the run -> after it: 4: 1.10 -> 1.20, 8: 1.50 -> 1.50; t(1) 10.0 -> 12.0 ms'
     """
     one_b, one_a = before[min(before)], after[min(after)]
-    parts = [f"{n}: {before[n] / one_b:.2f} -> {after[n] / one_a:.2f}" for n in (2, 4, 8, 16) if n in before and n in after]
+    parts = [f"{n}: {before[n] / one_b:.2f} -> {after[n] / one_a:.2f}"
+             for n in (2, 4, 8, 16) if n in before and n in after]
     return (f"t(N) / t(1), measured before the run -> after it: {', '.join(parts)}; "
             f"t(1) {one_b:.1f} -> {one_a:.1f} ms")
 
@@ -571,13 +575,15 @@ def main(argv: list[str] | None = None) -> int:
     categories = list(dict.fromkeys(q.category for q in questions))
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype), "mode_note": mode_dtype(args.mode, base.model)[1],
+        "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype),
+        "mode_note": mode_dtype(args.mode, base.model)[1],
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "sampling": (samplings[0] or Sampling()).describe(),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
         "t_n_ms": curve, "t_n_ms_after_run": curve_after, "t_n_ms_through_run": curve_through,
-        "t_n_calibrations_through_run": len(through), "fit_context": describe_context(fit_context), "seconds": round(time.perf_counter() - started, 1),
+        "t_n_calibrations_through_run": len(through), "fit_context": describe_context(fit_context),
+        "seconds": round(time.perf_counter() - started, 1),
         "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
         "fitted_tree": None if not fitted else {
             "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
@@ -603,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
             mine = [x for x in r.records if x.category == c]
             if mine:
                 entry["by_category"][c] = {**summarize(mine, plain_tps), **compare(ratios(mine, plain_runner.records))}
-        entry["accepted_length_histogram"] = dict(sorted(Counter(n for x in r.records for n in x.accepted_lengths).items()))
+        entry["accepted_length_histogram"] = dict(sorted(
+            Counter(n for x in r.records for n in x.accepted_lengths).items()))
         entry["steps_speedup"] = round(plain_token / entry["step_ms_per_token"], 4)  # the steps' own, prefill left out
         entry["round_spread_pct"] = round_spread_pct(r.records)
         if r.engine.fitted and r.method == "tr":
@@ -654,7 +661,8 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
         lines += ["", "## method against method (overall)", pairwise_table(results["pairwise"])]
     lines += ["", "## rounds: how far a method's rounds of one question lay apart (median over questions)"]
     lines += [f"- {name}: {m['round_spread_pct']:.1f}%" for name, m in results["methods"].items()]
-    plain_step = results["methods"]["plain"]["forward_ms_per_step"] + results["methods"]["plain"]["overhead_ms_per_step"]
+    plain_step = (results["methods"]["plain"]["forward_ms_per_step"]
+                  + results["methods"]["plain"]["overhead_ms_per_step"])
     lines += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
     lines += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
                for n, m in results["methods"].items()]

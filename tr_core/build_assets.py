@@ -14,8 +14,9 @@ question):
   tree's; the fitted tree's prediction uses these factors. ``--sizes-only`` measures them again for the existing
   statistics, without rebuilding the rest.
 
-    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16] [--sizes-max-new-tokens 64]
-                                   [--sizes-only] [--hot-start-dir assets/hot_start] [--acceptance-dir assets/acceptance]
+    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
+                                   [--sizes-max-new-tokens 64] [--sizes-only] [--hot-start-dir assets/hot_start]
+                                   [--acceptance-dir assets/acceptance]
 
 The files are named by ``tr_core.assets`` (``hot_start_path``, ``acceptance_path``).
 """

@@ -26,14 +26,14 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .assets import ACCEPTANCE_DIR, acceptance_path, model_slug
-from . import attention, decoding, kv, lean, layouts
+from . import attention, decoding, kv, layouts, lean
 from . import kernels as kernels_module
-from .decoding import _max_positions, top_k, tree_mask
+from .assets import ACCEPTANCE_DIR, acceptance_path, model_slug
 from .attention import BLOCK
+from .decoding import _max_positions, top_k, tree_mask
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
-from .layouts import cpu_name, source_digest
 from .kv import new_cache
+from .layouts import cpu_name, source_digest
 from .models import default_cache_dir
 from .tree import TreeBuffers, build_tree, load_template
 

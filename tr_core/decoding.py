@@ -199,8 +199,8 @@ class Step:
     """One verification step, before the stop rule: the draft ``tokens`` (n,) and ``tree``, the model's choice
     (greedy, or sampled) after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the
     ``bonus`` token, ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows``
-    the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass and
-    output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step;
+    the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass
+    and output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step;
     ``draft_probs``, in a sampled step, each node's probability under its parent's processed distribution."""
 
     tokens: torch.Tensor

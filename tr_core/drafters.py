@@ -24,8 +24,8 @@ class Drafter(Protocol):
     ``update_candidate_strategy``), plus a hook for the prompt.
 
     Each step the loop calls ``propose``, then ``budget_report``, verifies the draft in one forward pass, then calls
-    ``update`` once, always as ``update(tokens, path, top, probs)``, then ``observe(forward_ms)``. ``n`` is the tree's node
-    count, ``V`` the vocabulary size.
+    ``update`` once, always as ``update(tokens, path, top, probs)``, then ``observe(forward_ms)``. ``n`` is the tree's
+    node count, ``V`` the vocabulary size.
 
     - ``name``: the method's name in events ("plain", "pld", "tr").
     - ``top_k``: how many of each node's best next tokens ``update`` wants (0: none; ``top`` is then None).
@@ -130,7 +130,8 @@ class RecyclingDrafter(PlainDrafter):
 
     def __init__(self, matrix: AdjacencyMatrix, tree: TreeBuffers, seed_from_prompt: bool = False):
         if tree.max_rank >= matrix.k:
-            raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, more than the matrix's k={matrix.k} allows")
+            raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, "
+                             f"more than the matrix's k={matrix.k} allows")
         self.matrix, self.tree, self.seed_from_prompt = matrix, tree.to(matrix.rows.device), seed_from_prompt
         self.wants_prefill_logits = seed_from_prompt
         self.top_k = matrix.k

@@ -26,18 +26,33 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .assets import TREES_DIR, acceptance_path, hot_start_path
 from .budget import TreeBudget, candidate_sizes, likeliest_first
+from .calibrate import (
+    DEFAULT_FIT_CONTEXT,
+    FittedTree,
+    auto_tree,
+    context_curve,
+    has_acceptance_stats,
+    interpolate,
+    model_slug,
+)
 from .decoding import DecodeResult, _max_positions, decode, run
-from .drafters import AdaptiveRecyclingDrafter, Drafter, NestedTrees, PlainDrafter, PromptLookupDrafter, RecyclingDrafter
-from .drafters import nested_trees
+from .drafters import (
+    AdaptiveRecyclingDrafter,
+    Drafter,
+    NestedTrees,
+    PlainDrafter,
+    PromptLookupDrafter,
+    RecyclingDrafter,
+    nested_trees,
+)
 from .events import StepEvent
-from .methods import NAMES, check as check_method
+from .kernels import MODES, OutputHead, mode_dtype, prepare_model
 from .matrix import AdjacencyMatrix
+from .methods import NAMES
+from .methods import check as check_method
 from .models import encode_prompt, eos_token_ids, load_model
 from .sampling import Sampling
 from .text import TokenText
-from .calibrate import (DEFAULT_FIT_CONTEXT, FittedTree, auto_tree, context_curve, has_acceptance_stats,
-                        interpolate, model_slug)
-from .kernels import MODES, OutputHead, mode_dtype, prepare_model
 from .tree import TreeBuffers, load_template
 
 TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
@@ -107,7 +122,8 @@ def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedT
 
 
 class Engine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 config: EngineConfig = EngineConfig()):
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]

@@ -212,7 +212,8 @@ class ChosenLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}: {', '.join(self.layouts)}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.fmt}: {', '.join(self.layouts)}")
 
 
 # model -> its KernelPlan, once prepared; kept beside the model, not in it

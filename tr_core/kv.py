@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-
 _OWN = object()  # marks keys/values that are the first ``_length`` positions of the layer's own buffers
 
 

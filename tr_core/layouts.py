@@ -411,7 +411,7 @@ def measure(model: nn.Module, layouts: Iterable[str], rows: Iterable[int] = ROW_
     meanwhile (``machine_busy``)."""
     layouts, rows = list(layouts), list(rows)
     shapes = linear_shapes(model)
-    body_bytes = sum(l.weight.numel() * 4 for s, ls in shapes.items() if s != HEAD for l in ls)
+    body_bytes = sum(layer.weight.numel() * 4 for s, ls in shapes.items() if s != HEAD for layer in ls)
     fraction = min(1.0, STREAM_BYTES / max(body_bytes, 1))
     weights = {s: [ls[0].weight.detach()] if s == HEAD else _sample(ls, fraction) for s, ls in shapes.items()}
     packs = {name: {s: [LAYOUTS[name].pack(w.to(FORMAT_DTYPE[LAYOUTS[name].fmt])) for w in ws]
@@ -606,8 +606,8 @@ def cache_key(model: nn.Module, mode: str) -> str:
     shapes = "_".join(f"{s}x{len(ls)}" if s != HEAD else f"h{ls[0].out_features}"
                       for s, ls in sorted(linear_shapes(model).items()))
     dtype = str(model.get_output_embeddings().weight.dtype).removeprefix("torch.")
-    raw = (f"{source_digest(sys.modules[__name__])}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}-t{torch.get_num_threads()}"
-           f"-torch{torch.__version__}")
+    raw = (f"{source_digest(sys.modules[__name__])}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}"
+           f"-t{torch.get_num_threads()}-torch{torch.__version__}")
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)[:240]
 
 

@@ -38,7 +38,6 @@ from .calibrate import auto_tree, context_curve, machine_key, model_slug
 from .engine import Engine, EngineConfig
 from .events import StepEvent, token_ids_named
 
-
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
 FIXTURES_DIR = ASSETS_DIR.parent / "tests" / "fixtures"

@@ -214,8 +214,9 @@ def tree_from_parents(parents: list[int], ranks: list[int], name: str = "custom"
             stop += 1
         levels.append((start, stop))
         start = stop
-    tree = TreeBuffers(name, tuple(rank_paths), torch.tensor(new_parents), torch.tensor([0] + [ranks[i] for i in order[1:]]),
-                       torch.tensor(new_depth), mask, torch.tensor(leaf_paths, dtype=torch.long), tuple(levels),
+    tree = TreeBuffers(name, tuple(rank_paths), torch.tensor(new_parents),
+                       torch.tensor([0] + [ranks[i] for i in order[1:]]), torch.tensor(new_depth), mask,
+                       torch.tensor(leaf_paths, dtype=torch.long), tuple(levels),
                        tuple(sources[i] for i in order) if sources else ())
     return tree, order
 

@@ -16,9 +16,9 @@ from visualize import label, visible
 from visualize.lesson_fig import is_empty
 from visualize.trace import TokenNamer
 
-NARROW_PX = 700  # a window narrower than this (a phone) gets the figures' compact layout, as in the Live tab
-
 from .lesson import PAGES, RUN_NAMES, Lesson, Trace, load_lesson, page_figure, page_text
+
+NARROW_PX = 700  # a window narrower than this (a phone) gets the figures' compact layout, as in the Live tab
 
 
 def clamp(index: int) -> int:
@@ -116,7 +116,8 @@ def explorer_html(lesson: Lesson, query, run: str = "hot") -> str:
 EXPLAIN_INTRO = """\
 Token Recycling in {n} pages, each drawn from a **real run recorded with {model}** (prompt: *{prompt}*, tree
 `{tree}`, k = {k}), replayed here without loading any model (your own prompt and settings are in the Live and
-Race tabs). Use **Previous** and **Next**, or a page's number; hover over a figure for details. In token texts, `␣` marks
+Race tabs). Use **Previous** and **Next**, or a page's number; hover over a figure for details. \
+In token texts, `␣` marks
 a space and `↵` a line break."""
 
 EXPLAIN_CSS = """

@@ -26,10 +26,17 @@ import plotly.graph_objects as go
 from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
 from tr_core.methods import METHODS
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
-from visualize.lesson_fig import (TITLE_CHARS, children_ranks, passes_figure, retitle, retrieval_figure, row_figure,
-                                  tree_size_table_figure)
-from visualize.trace import TokenNamer
+from visualize.lesson_fig import (
+    TITLE_CHARS,
+    children_ranks,
+    passes_figure,
+    retitle,
+    retrieval_figure,
+    row_figure,
+    tree_size_table_figure,
+)
 from visualize.palette import wrap
+from visualize.trace import TokenNamer
 from visualize.tree_layout import node_roles
 
 RUN_NAMES = {"hot": "hot start", "cold": "cold start"}
@@ -302,7 +309,8 @@ def _hot_and_cold(lesson: Lesson, compact: bool) -> go.Figure:
 def _mask(lesson: Lesson, compact: bool) -> go.Figure:
     fig = mask_figure(lesson.event)
     n = len(lesson.event.tree_tokens)
-    subtitle = "<span style='font-size:12px;color:#555'>row: the node that looks;<br>column: a node it may look at</span>"
+    subtitle = ("<span style='font-size:12px;color:#555'>row: the node that looks;<br>"
+                "column: a node it may look at</span>")
     # wrapped for a phone's 390 px; the margin holds the title's lines above the column labels
     title = wrap(f"decoding step {lesson.event.step}: tree attention over the {n} nodes of the draft tree", 40)
     if compact:

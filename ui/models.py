@@ -37,9 +37,9 @@ def model_name(model_id: str) -> str:
 
 class ModelCache:
     """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
-    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy in the half-precision format measured fastest here (``tr_core.kernels``).
-    Keeps the default model in both modes and at most ``keep - 1`` others; loads are serialised so two users never
-    load one twice."""
+    model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy in the half-precision format measured fastest
+    here (``tr_core.kernels``). Keeps the default model in both modes and at most ``keep - 1`` others; loads are
+    serialised so two users never load one twice."""
 
     def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load):
         self.keep, self._load = keep, load
@@ -56,7 +56,8 @@ class ModelCache:
             if key not in self._engines:
                 started = time.perf_counter()
                 name = key[0]
-                engine = load_default_engine(self._load, mode) if name == "" else self._load(name, EngineConfig(mode=mode))
+                engine = (load_default_engine(self._load, mode) if name == ""
+                          else self._load(name, EngineConfig(mode=mode)))
                 others = [k for k in self._engines if k[0] != ""]
                 if name != "" and len(others) >= self.keep - 1:
                     del self._engines[others[0]]

@@ -133,8 +133,8 @@ class _ModelRun(Stoppable):
         self.matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
         self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
-        self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; {tree_note(engine, tree)}; "
-                            f"adjacency matrix: {self.about_matrix}")
+        self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
+                            f"{tree_note(engine, tree)}; adjacency matrix: {self.about_matrix}")
 
     @property
     def hidden(self) -> tuple[str, ...]:

@@ -18,8 +18,22 @@ from tr_core.methods import METHODS, NAMES
 from tr_core.sampling import Sampling
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
-from .inputs import (MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, InputError, Prompt, check_choice,
-                     check_flag, check_model_id, check_number, check_real, clean_prompt)
+from .inputs import (
+    MAX_NEW_TOKENS,
+    SAMPLE_TOP_K,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    InputError,
+    Prompt,
+    check_choice,
+    check_flag,
+    check_model_id,
+    check_number,
+    check_real,
+    clean_prompt,
+)
 
 
 @dataclass(frozen=True)

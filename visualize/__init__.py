@@ -11,8 +11,14 @@ without it, names come from the trace itself (``token_text_map``), ``"#<id>"`` w
 """
 
 from .budget_fig import budget_figure, budget_title
-from .charts import (accepted_length_figure, accepted_lengths, methods_figure, race_figure, speedup_figure,
-                     tree_size_figure)
+from .charts import (
+                     accepted_length_figure,
+                     accepted_lengths,
+                     methods_figure,
+                     race_figure,
+                     speedup_figure,
+                     tree_size_figure,
+)
 from .mask_fig import ancestor_mask, mask_figure
 from .matrix_fig import matrix_figure, shown_rows
 from .trace import label, load_trace, text_lookup, token_text_map, visible
@@ -20,7 +26,8 @@ from .tree_fig import step_traces, tree_animation, tree_figure
 from .tree_layout import node_roles, tree_layout
 
 __all__ = [
-    "accepted_length_figure", "accepted_lengths", "ancestor_mask", "budget_figure", "budget_title", "label", "load_trace", "mask_figure",
-    "matrix_figure", "methods_figure", "node_roles", "race_figure", "shown_rows", "speedup_figure", "step_traces", "text_lookup",
-    "token_text_map", "tree_animation", "tree_figure", "tree_layout", "tree_size_figure", "visible",
+    "accepted_length_figure", "accepted_lengths", "ancestor_mask", "budget_figure", "budget_title", "label",
+    "load_trace", "mask_figure", "matrix_figure", "methods_figure", "node_roles", "race_figure", "shown_rows",
+    "speedup_figure", "step_traces", "text_lookup", "token_text_map", "tree_animation", "tree_figure", "tree_layout",
+    "tree_size_figure", "visible",
 ]

@@ -312,7 +312,8 @@ def step_latency_figure(events: list, baseline_ms: float | None = None, title: s
             row=2, col=1)
     # Laid out for a phone as well as a laptop: the title wrapped, the legend under the plot with room for the
     # five rows it takes at 360 px (one at a laptop's width).
-    title = wrap(title or "Each decoding step: the tokens it added and the time it took", 36)  # 36 signs fit a phone's 390 px
+    # 36 signs fit a phone's 390 px
+    title = wrap(title or "Each decoding step: the tokens it added and the time it took", 36)
     height = 560
     fig.update_layout(
         barmode="stack", height=height, plot_bgcolor="white", hovermode="closest", bargap=0.15,

@@ -12,8 +12,8 @@ the tokens they produced (``new_text``), so a trace alone can label most cells; 
 from __future__ import annotations
 
 import json
-from html import escape
 from functools import lru_cache
+from html import escape
 from pathlib import Path
 from typing import Callable, Iterable
 
