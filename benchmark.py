@@ -1,8 +1,8 @@
-"""The benchmark with its charts: ``tr_core.bench`` measures (results.json, report.md), then ``visualize`` draws
+"""The benchmark with its charts: ``tr_core.tools.bench`` measures (results.json, report.md), then ``visualize`` draws
 speedup.html and tree_size.html from results.json. Like ``app.py``, this file sits above both packages: ``tr_core``
 knows nothing of plotly, and ``visualize`` nothing of torch.
 
-    python benchmark.py --per-category 5 --max-new-tokens 128 --mode exact   # every option of python -m tr_core.bench
+    python benchmark.py --per-category 5 --max-new-tokens 128 --mode exact   # any option of tr_core.tools.bench
     python benchmark.py --charts-only --out bench_out                        # the charts of a finished run, again
 """
 
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from tr_core import bench
+from tr_core.tools import bench
 from visualize.charts import speedup_figure, tree_size_figure
 
 CHARTS = {"speedup.html": speedup_figure, "tree_size.html": tree_size_figure}
@@ -29,7 +29,8 @@ def draw_charts(out: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = bench.parser(prog="python benchmark.py")
-    p.description = "The Spec-Bench benchmark of python -m tr_core.bench, then its charts, drawn from results.json."
+    p.description = ("The Spec-Bench benchmark of python -m tr_core.tools.bench, then its charts, drawn from "
+                     "results.json.")
     p.add_argument("--charts-only", action="store_true",
                    help="draw the charts of the results.json already in --out, without benchmarking")
     args = p.parse_args(argv)

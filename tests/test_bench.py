@@ -6,24 +6,21 @@ import json
 import pytest
 
 import benchmark
-from tr_core import bench
-from tr_core.bench import (
+from tr_core.decoding import DecodeResult
+from tr_core.stats import bootstrap_median_interval, compare, median_round, verdict
+from tr_core.tools import bench
+from tr_core.tools.bench import (
     MethodRunner,
     Record,
-    bootstrap_median_interval,
-    compare,
     main,
     measure_question,
-    median_round,
     pairwise,
     predicted_vs_measured,
     prediction_table,
     question_contexts,
     round_orders,
     speedup_on,
-    verdict,
 )
-from tr_core.decoding import DecodeResult
 
 # The keys of results.json as the benchmark wrote them before it measured in rounds (a run of that code on the tiny
 # model of test_bench_writes_tables_and_results): every one must stay, with its meaning.
@@ -217,9 +214,12 @@ def test_a_question_is_timed_by_its_median_round():
     def res(seconds):
         return DecodeResult([1], "", 1, seconds, None)
 
-    assert median_round([res(3.0), res(1.0), res(2.0)]).elapsed_s == 2.0
-    assert median_round([res(9.0), res(1.0), res(2.0), res(3.0)]).elapsed_s == 2.0  # even: the faster middle one
-    assert median_round([res(4.0)]).elapsed_s == 4.0
+    def median(rounds):
+        return median_round(rounds, seconds=lambda r: r.elapsed_s)
+
+    assert median([res(3.0), res(1.0), res(2.0)]).elapsed_s == 2.0
+    assert median([res(9.0), res(1.0), res(2.0), res(3.0)]).elapsed_s == 2.0  # even: the faster middle one
+    assert median([res(4.0)]).elapsed_s == 4.0
 
 
 # --- speedups with intervals --------------------------------------------------------------------------------------

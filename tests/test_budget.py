@@ -8,8 +8,8 @@ import pytest
 
 from tr_core import load_template
 from tr_core.budget import TreeBudget, candidate_sizes, likeliest_first
-from tr_core.calibrate import fit_tree
 from tr_core.drafters import nested_trees
+from tr_core.fitting import fit_tree
 
 P = [1.0] + [0.6 * 0.8 ** (j - 1) for j in range(1, 81)]  # acceptance of the j-th likeliest node
 SIZES = candidate_sizes(81)

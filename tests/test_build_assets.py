@@ -3,11 +3,11 @@
 import json
 
 from tr_core.assets import acceptance_path, hot_start_path
-from tr_core.build_assets import main
-from tr_core.calibrate import auto_tree
 from tr_core.engine import Engine, EngineConfig
+from tr_core.fitting import auto_tree
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.models import load_model
+from tr_core.tools.build_assets import main
 
 
 def test_build_assets_then_fit_a_tree_from_them(tiny_folder, tmp_path):

@@ -4,7 +4,8 @@ import pytest
 from conftest import tiny_model
 
 from tr_core import AdjacencyMatrix, RecyclingDrafter, load_template, run
-from tr_core.calibrate import fit_tree, interpolate, measure_forward_ms, node_acceptance
+from tr_core.fitting import fit_tree, node_acceptance
+from tr_core.speed.calibrate import interpolate, measure_forward_ms
 
 
 def fake_acceptance(tree):
@@ -64,7 +65,7 @@ def test_a_short_context_model_is_calibrated_on_the_longest_cache_that_fits(monk
 
 
 def test_context_weights_split_each_context_between_the_grid_points_around_it():
-    from tr_core.calibrate import context_weights
+    from tr_core.speed.calibrate import context_weights
 
     assert context_weights([256]) == {256: 1.0}
     assert context_weights([384], grid=(128, 256, 512)) == {256: 0.5, 512: 0.5}
@@ -77,7 +78,7 @@ def test_context_weights_split_each_context_between_the_grid_points_around_it():
 
 
 def test_t_n_over_many_contexts_is_the_weighted_mean_of_their_calibrations(monkeypatch):
-    from tr_core import calibrate
+    from tr_core.speed import calibrate
 
     fake = {128: {1: 10.0, 4: 12.0}, 256: {1: 20.0, 4: 30.0}}
     monkeypatch.setattr(calibrate, "measure_forward_ms", lambda model, prefix, **kw: fake[prefix])
@@ -97,7 +98,7 @@ def test_the_fit_context_must_be_token_counts():
 
 
 def test_one_slow_block_of_one_token_steps_does_not_lift_the_larger_sizes():
-    from tr_core.calibrate import paired_curve
+    from tr_core.speed.calibrate import paired_curve
 
     # rounds 1-4: t(4) = 1.2 t(1); round 0's one-token block ran in a slow spell (30 ms against 20)
     times = {1: [[30.0, 30.0]] + [[20.0, 20.0]] * 4, 4: [[24.0, 24.0]] * 5, 8: [[30.0, 30.0]] * 5}

@@ -17,6 +17,7 @@ def cli(*args):
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_json_output_for_every_method(tiny_folder, tmp_path):
     folder, model, tokenizer = tiny_folder
     prompt = "Name three colours."

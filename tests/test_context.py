@@ -1,6 +1,7 @@
 """Drafts from the context: the index against brute force, the suffix tree and the grafted branch by hand, the
 budget's split on made-up curves, and both drafters against plain greedy decoding."""
 
+import dataclasses
 import inspect
 import random
 from collections import Counter
@@ -10,18 +11,11 @@ import torch
 from conftest import VOCAB, reference_greedy, tiny_model
 
 from tr_core import AdjacencyMatrix, PlainDrafter, load_template, run
-from tr_core.budget import TreeBudget, candidate_sizes
-from tr_core.context import (
-    BranchAcceptance,
-    ContextIndex,
-    ContextRecyclingDrafter,
-    PlusRecyclingDrafter,
-    SuffixDrafter,
-    graft,
-    split_budget,
-    step_time,
-)
-from tr_core.drafters import Drafter, nested_trees
+from tr_core.beyond.context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter, graft, split_budget
+from tr_core.beyond.ngrams import ContextIndex
+from tr_core.beyond.suffix import SuffixDrafter
+from tr_core.budget import TreeBudget, candidate_sizes, step_time
+from tr_core.drafters import Drafter, Outcome, nested_trees
 
 # --- the index ------------------------------------------------------------------------------------------------------
 
@@ -106,7 +100,7 @@ def test_the_suffix_tree_is_valid_and_drafts_the_most_frequent_continuations():
     for rng, seq in random_sequences(80, seed=2):
         max_nodes = rng.randint(1, 10)
         drafter = SuffixDrafter(max_nodes=max_nodes)
-        tokens, tree = drafter.propose(torch.tensor(seq), seq[-1])
+        tokens, tree = unpack(drafter.propose(torch.tensor(seq)))
         check_tree(tokens, tree, seq[-1], max_nodes)
         if brute_match(seq, 16)[0] == 0 or len(seq) < 2:
             assert tree.size == 1
@@ -115,18 +109,18 @@ def test_the_suffix_tree_is_valid_and_drafts_the_most_frequent_continuations():
             assert tree.ranks.tolist()[1:] == [-1] * (tree.size - 1)
     # by hand: [1, 2] was followed by 3, 1, 2 twice, by 4, 1, 2 once: three nodes take the first, four add 4
     context = torch.tensor([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
-    tokens, tree = SuffixDrafter(max_nodes=3).propose(context, 2)
+    tokens, tree = unpack(SuffixDrafter(max_nodes=3).propose(context))
     assert tokens.tolist() == [2, 3, 1, 2] and tree.parents.tolist() == [-1, 0, 1, 2]
-    tokens, tree = SuffixDrafter(max_nodes=4).propose(context, 2)
+    tokens, tree = unpack(SuffixDrafter(max_nodes=4).propose(context))
     assert tokens.tolist() == [2, 3, 4, 1, 2] and tree.parents.tolist() == [-1, 0, 0, 1, 3]
 
 
 def test_the_suffix_drafter_follows_a_growing_context_and_respects_min_match():
     drafter = SuffixDrafter(max_nodes=4, min_match=2)
-    assert drafter.propose(torch.tensor([5, 6, 7, 5]), 5)[1].size == 1  # [5] matched, but only 1 token
-    tokens, _ = drafter.propose(torch.tensor([5, 6, 7, 5, 6]), 6)
+    assert drafter.propose(torch.tensor([5, 6, 7, 5])).tree.size == 1  # [5] matched, but only 1 token
+    tokens = drafter.propose(torch.tensor([5, 6, 7, 5, 6])).tokens
     assert tokens.tolist() == [6, 7, 5, 6] and len(drafter.index) == 5
-    tokens, _ = drafter.propose(torch.tensor([1, 2, 1]), 1)  # a shorter context: a new request, a new index
+    tokens = drafter.propose(torch.tensor([1, 2, 1])).tokens  # a shorter context: a new request, a new index
     assert tokens.tolist() == [1] and drafter.index.tokens == [1, 2, 1]
 
 
@@ -201,17 +195,28 @@ def test_the_graft_merges_coinciding_tokens():
     assert graft([7, 1, 1], [-1, 0, 0], [1, 2]) == ([7, 1, 1, 2], [-1, 0, 0, 1])  # the first equal child
 
 
+def unpack(draft):
+    return draft.tokens, draft.tree
+
+
+def stub_time(drafter, outcome):
+    """The outcome with the step time of the drafter's made-up curve instead of the machine's."""
+    if outcome.is_prompt:
+        return outcome
+    return dataclasses.replace(outcome, forward_ms=10.0 + drafter.step * drafter.tree.size)
+
+
 class StubTimed(ContextRecyclingDrafter):
     """A tr-context drafter whose budget sees the step times of its made-up curve, not the machine's: the same
     sizes every run, however loaded the machine."""
 
-    def observe(self, forward_ms):
-        super().observe(10.0 + self.step * self.tree.size)
+    def learn(self, outcome):
+        return super().learn(stub_time(self, outcome))
 
 
 class PlusStubTimed(PlusRecyclingDrafter):
-    def observe(self, forward_ms):
-        super().observe(10.0 + self.step * self.tree.size)
+    def learn(self, outcome):
+        return super().learn(stub_time(self, outcome))
 
 
 def context_drafter(matrix, step=0.05, explore_every=0, plus=False, **kwargs):
@@ -243,9 +248,9 @@ def test_the_grafted_tree_merges_the_branch_into_the_matrix_tree():
     fresh = [t for t in range(VOCAB) if t not in matrix.rows[second].tolist() + [root, first, second]][0]
     chain = [first, second, fresh, 200, root]
     assert len({root, first, second, fresh, 200}) == 5
-    tokens, tree = drafter.propose(torch.tensor([root] + chain), root)
+    proposed = drafter.propose(torch.tensor([root] + chain))
+    tokens, tree, report = proposed.tokens, proposed.tree, proposed.estimates
     check_tree(tokens, tree, root, 100)
-    _, report = drafter.budget_report()
     size = report["matrix_nodes"] + 1
     # on a cheap curve, the whole continuation: 5 tokens, of which 3 new nodes (the first two merged)
     assert report["match"] == 1 and report["branch_length"] == 5 and report["context_branch"] == 3
@@ -266,8 +271,9 @@ def test_the_drafter_teaches_the_budget_only_its_matrix_nodes_and_the_branch_its
     first = int(matrix.rows[root, 0])
     fresh = [t for t in range(VOCAB) if t not in matrix.rows[first].tolist()][:2]
     context = [root, first] + fresh + [root]
-    tokens, tree = drafter.propose(torch.tensor(context), root)
-    size = drafter.budget_report()[1]["matrix_nodes"] + 1
+    proposed = drafter.propose(torch.tensor(context))
+    tokens, tree = proposed.tokens, proposed.tree
+    size = proposed.estimates["matrix_nodes"] + 1
     assert budget.sizes[budget.current] == size
     # the accepted path: root -> first (a matrix node, merged) -> fresh[0] (a context node); the bonus: fresh[1]
     toks = tokens.tolist()
@@ -276,8 +282,10 @@ def test_the_drafter_teaches_the_budget_only_its_matrix_nodes_and_the_branch_its
     assert tree.sources[a] == "matrix" and tree.sources[b] == "context"
     top = torch.zeros(tree.size, 4, dtype=torch.long)
     top[b, 0] = fresh[1]
-    before = list(budget.acceptance)
-    rows = drafter.update(tokens, torch.tensor([0, a, b]), top)
+    before, speed = list(budget.acceptance), budget.speed
+    twice = 2 * step_time(budget.sizes, drafter._step_ms, tree.size)  # twice the step's estimated time
+    # the real learn, not the stub's: the machine's time
+    rows = ContextRecyclingDrafter.learn(drafter, Outcome(tokens, torch.tensor([0, a, b]), top, None, twice))
     assert {r.token for r in rows} == set(toks)  # every verified token's row, context nodes' included
     assert matrix.rows[fresh[0], 0] == fresh[1]
     # the budget: position 1 (the matrix tree's likeliest node) moved up, the other matrix positions down, those
@@ -287,9 +295,6 @@ def test_the_drafter_teaches_the_budget_only_its_matrix_nodes_and_the_branch_its
     assert budget.acceptance[size:] == before[size:]
     # the branch [first, fresh0, fresh1, root]: its first three tokens were produced, the fourth drafted and not
     assert drafter.branch.estimates(1)[:4] == [0.75, 0.625, 0.5625, 0.0625 / 2]
-    speed = budget.speed
-    twice = 2 * step_time(budget.sizes, drafter._step_ms, tree.size)  # twice the step's estimated time
-    ContextRecyclingDrafter.observe(drafter, twice)  # the real observe, not the stub's
     assert budget.speed > speed
 
 
@@ -298,26 +303,25 @@ def test_a_step_where_the_budget_explores_runs_the_size_it_explores():
     context = torch.tensor([10, 11, 12, 13, 10])  # [10] was followed by 11, 12, 13, 10: a branch of 4
     sizes = drafter.budget.sizes
     for step in range(6):
-        tokens, tree = drafter.propose(context, 10)
-        report = drafter.budget_report()[1]
+        proposed = drafter.propose(context)
+        tokens, tree, report = proposed.tokens, proposed.tree, proposed.estimates
         ran, best = sizes.index(report["matrix_nodes"] + 1), sizes.index(report["best"] + 1)
         assert report["explored"] == (step % 2 == 1)
         assert step or report["context_branch"] == 4  # then shorter: the branch's tokens are never produced here
         assert abs(ran - best) == 1 if report["explored"] else ran <= best  # explored: the neighbour itself
-        drafter.update(tokens, torch.tensor([0]), torch.zeros(tree.size, 4, dtype=torch.long))
-        drafter.observe(10.0)
+        drafter.learn(Outcome(tokens, torch.tensor([0]), torch.zeros(tree.size, 4, dtype=torch.long), None, 10.0))
 
 
 # --- decoding ----------------------------------------------------------------------------------------------------
 
-def test_both_drafters_declare_what_the_loop_reads():
+def test_both_drafters_have_the_two_verbs_and_declare_what_they_learn_from():
     drafters = {"suffix": SuffixDrafter(), "tr-context": context_drafter(AdjacencyMatrix(VOCAB, 4))}
     for name, drafter in drafters.items():
-        assert drafter.name == name and drafter.wants_probs is False and drafter.wants_prefill_logits is False
-        for method in ("propose", "update", "on_prefill", "observe", "budget_report"):
+        assert drafter.name == name and drafter.needs.prefill is False
+        for method in ("propose", "learn"):
             assert (list(inspect.signature(getattr(drafter, method)).parameters)
                     == list(inspect.signature(getattr(Drafter, method)).parameters)[1:]), f"{name}.{method}"
-    assert drafters["suffix"].top_k == 0 and drafters["tr-context"].top_k == 4
+    assert drafters["suffix"].needs.top_k == 0 and drafters["tr-context"].needs.top_k == 4
 
 
 def repetitive_prompts(seed: int, vocab: int, count: int = 4):

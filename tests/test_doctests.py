@@ -20,8 +20,9 @@ WITH_EXAMPLES = ("tr_core.assets", "tr_core.drafters", "tr_core.events", "tr_cor
 def module_names() -> list[str]:
     names = ["app"]
     for package in PACKAGES:
-        names += [package if path.stem == "__init__" else f"{package}.{path.stem}"
-                  for path in sorted((ROOT / package).glob("*.py"))]
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
 

@@ -20,12 +20,13 @@ from tr_core import (
 )
 from tr_core.budget import TreeBudget
 from tr_core.decoding import stop_rule
-from tr_core.drafters import AdaptiveRecyclingDrafter, Drafter, nested_trees
+from tr_core.drafters import AdaptiveRecyclingDrafter, Draft, Drafter, Needs, Outcome, nested_trees
 
 
 def draft(context: list[int], **kwargs) -> list[int]:
     """Prompt Lookup's proposal after ``context``, checked to be a chain rooted at the last token."""
-    tokens, tree = PromptLookupDrafter(**kwargs).propose(torch.tensor(context), context[-1])
+    proposed = PromptLookupDrafter(**kwargs).propose(torch.tensor(context))
+    tokens, tree = proposed.tokens, proposed.tree
     assert tokens.dtype == torch.long and tokens[0] == context[-1]
     assert tree.size == tokens.numel() and tree.parents.tolist() == list(range(-1, tree.size - 1))  # a chain
     return tokens.tolist()
@@ -51,8 +52,8 @@ def test_max_draft_bounds_the_chain():
 
 
 def test_no_match_proposes_the_root_alone():
-    tokens, tree = PromptLookupDrafter().propose(torch.tensor([1, 2, 3, 4]), 4)
-    assert tokens.tolist() == [4] and tree.size == 1 and tree.max_depth == 0
+    proposed = PromptLookupDrafter().propose(torch.tensor([1, 2, 3, 4]))
+    assert proposed.tokens.tolist() == [4] and proposed.tree.size == 1 and proposed.tree.max_depth == 0
     assert draft([1, 2, 3, 4]) == [4]
 
 
@@ -89,63 +90,116 @@ def test_prompt_lookup_drafts_in_a_run_and_stays_exact(arch):
     assert all(e.method == "pld" and e.tree_parents == list(range(-1, len(e.tree_tokens) - 1)) for e in result.events)
 
 
-def test_every_drafter_declares_what_the_loop_reads():
+def test_every_drafter_has_two_verbs_and_declares_what_it_learns_from():
     recycling = RecyclingDrafter(AdjacencyMatrix(VOCAB, 5), build_tree({"": 2}), seed_from_prompt=True)
     adaptive = AdaptiveRecyclingDrafter(AdjacencyMatrix(VOCAB, 5), nested_trees([(0,), (1,)], [1, 3]),
                                         TreeBudget([1, 3], [10.0, 12.0], [1.0, 0.5, 0.3]))
-    expected = {"plain": (PlainDrafter(), 0, False), "pld": (PromptLookupDrafter(), 0, False),
-                "tr": (recycling, 5, True), "tr adaptive": (adaptive, 5, False)}
-    for name, (drafter, top_k, wants) in expected.items():
-        assert (drafter.name, drafter.top_k, drafter.wants_prefill_logits) == (name.split()[0], top_k, wants)
-        for method in ("propose", "update", "on_prefill", "observe", "budget_report"):
+    expected = {"plain": (PlainDrafter(), Needs()), "pld": (PromptLookupDrafter(), Needs()),
+                "tr": (recycling, Needs(top_k=5, prefill=True)), "tr adaptive": (adaptive, Needs(top_k=5))}
+    for name, (drafter, needs) in expected.items():
+        assert (drafter.name, drafter.needs) == (name.split()[0], needs)
+        for method in ("propose", "learn"):
             assert (list(inspect.signature(getattr(drafter, method)).parameters)
                     == list(inspect.signature(getattr(Drafter, method)).parameters)[1:]), f"{name}.{method}"
 
 
+class Repeater:
+    """A drafter written from the README's description of the two verbs alone: it guesses that the last token
+    repeats twice, and learns how often that was right."""
+
+    name = "repeat"
+    needs = Needs()
+
+    def __init__(self):
+        self.steps = self.accepted = 0
+
+    def propose(self, context):
+        return Draft(context[-1:].repeat(3), build_tree([(0,), (0, 0)]))
+
+    def learn(self, outcome):
+        if outcome.path is not None:
+            self.steps += 1
+            self.accepted += outcome.path.numel() - 1
+        return []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_drafter_written_from_the_two_verbs_works_with_the_loop(arch):
+    model = tiny_model(arch, vocab=16)
+    prompt = [3, 3, 3, 5, 5, 5, 7, 7] * 2
+    drafter = Repeater()
+    result = run(model, prompt, drafter, 32)
+    assert result.token_ids == reference_greedy(model, prompt, 32)
+    assert drafter.steps == result.steps and all(e.method == "repeat" for e in result.events)
+    assert drafter.accepted == sum(len(e.accepted_path) - 1 for e in result.events)
+
+
 @pytest.mark.parametrize("top_k", [0, 1, 3])
-def test_the_loop_calls_update_with_each_nodes_top_k(top_k):
+def test_the_loop_hands_learn_each_nodes_top_k_and_the_forward_time(top_k):
     calls = []
 
     class Recording(PromptLookupDrafter):
-        def update(self, tokens, path, top, probs):
-            calls.append((tokens.clone(), path.clone(), top))
+        needs = Needs(top_k=top_k)
+
+        def learn(self, outcome):
+            calls.append(outcome)
             return []
-
-    drafter = Recording()
-    drafter.top_k = top_k
-    model = tiny_model("llama", vocab=16)
-    events = list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, drafter, 24))
-    assert len(calls) == len(events)
-    for (tokens, path, top), e in zip(calls, events):
-        assert tokens.tolist() == e.tree_tokens and path.tolist() == e.accepted_path
-        if top_k == 0:
-            assert top is None
-        else:
-            assert top.shape == (tokens.numel(), top_k) and top[:, 0].tolist() == e.predicted
-
-
-def test_the_loop_gives_every_drafter_the_forward_time_and_asks_for_its_budget():
-    calls = []
-
-    class Recording(PromptLookupDrafter):
-        def update(self, tokens, path, top, probs):
-            calls.append("update")
-            return []
-
-        def observe(self, forward_ms):
-            calls.append(forward_ms)
-
-        def budget_report(self):
-            calls.append("report")
-            return 7, {"sizes": [len(calls)]}
 
     model = tiny_model("llama", vocab=16)
     events = list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, Recording(), 24))
-    assert calls == [x for e in events for x in ("report", "update", e.forward_ms)]  # in this order, once a step
-    assert all(e.budget == 7 and e.budget_estimates == {"sizes": [3 * e.step + 1]} for e in events)
+    assert len(calls) == len(events)  # once a step (no prompt outcome: the drafter does not ask for it)
+    for outcome, e in zip(calls, events):
+        assert outcome.tokens.tolist() == e.tree_tokens and outcome.path.tolist() == e.accepted_path
+        assert outcome.forward_ms == e.forward_ms and outcome.whole
+        if top_k == 0:
+            assert outcome.top is None and outcome.probs is None
+        else:
+            assert outcome.top.shape == (outcome.tokens.numel(), top_k) and outcome.top[:, 0].tolist() == e.predicted
+            probs = outcome.probs  # of each node's best tokens, best first
+            assert probs.shape == outcome.top.shape and bool((probs[:, :-1] >= probs[:, 1:]).all())
+
+
+def test_a_drafter_that_asks_for_the_prompt_learns_from_its_distinct_tokens_first():
+    calls = []
+
+    class Recording(PromptLookupDrafter):
+        needs = Needs(top_k=2, prefill=True)
+
+        def learn(self, outcome):
+            calls.append(outcome)
+            return []
+
+    model = tiny_model("llama", vocab=16)
+    prompt = [1, 2, 3, 1, 2, 9]
+    events = list(decode(model, prompt, Recording(), 4))
+    first = calls[0]
+    assert first.is_prompt and first.forward_ms is None
+    assert first.tokens.tolist() == [3, 1, 2]  # the prompt but its last token: each distinct one at its last place
+    assert first.top.shape == (3, 2) and len(calls) == 1 + len(events)
+
+
+def test_the_draft_says_what_its_budget_chose_and_the_event_keeps_it():
+    class Budgeted(PromptLookupDrafter):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def propose(self, context):
+            self.n += 1
+            proposed = super().propose(context)
+            return Draft(proposed.tokens, proposed.tree, 7, {"sizes": [self.n]})
+
+    model = tiny_model("llama", vocab=16)
+    events = list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, Budgeted(), 24))
+    assert all(e.budget == 7 and e.budget_estimates == {"sizes": [e.step + 1]} for e in events)
     # drafters without a budget report none
     for e in decode(model, [1, 2, 3] * 3, PromptLookupDrafter(), 8):
         assert e.budget is None and e.budget_estimates == {}
+
+
+def outcome(tokens, path, k, forward_ms, whole=True):
+    return Outcome(tokens, torch.tensor(path), torch.zeros(tokens.numel(), k, dtype=torch.long), None, forward_ms,
+                   whole)
 
 
 def test_the_adaptive_drafter_drafts_the_size_its_budget_chose_and_teaches_it():
@@ -154,21 +208,19 @@ def test_the_adaptive_drafter_drafts_the_size_its_budget_chose_and_teaches_it():
     budget = TreeBudget([1, 3, 5], [10.0, 10.0, 10.0], [1.0, 0.5, 0.5, 0.4, 0.4], explore_every=2,
                         acceptance_rate=0.5)
     drafter = AdaptiveRecyclingDrafter(AdjacencyMatrix(VOCAB, 3), nested, budget)
-    tokens, tree = drafter.propose(torch.tensor([4, 5]), 5)
-    assert tree is drafter.nested.trees[2] and tokens.numel() == 5 and drafter.budget_report()[0] == 4
+    proposed = drafter.propose(torch.tensor([4, 5]))
+    assert proposed.tree is drafter.nested.trees[2] and proposed.tokens.numel() == 5 and proposed.budget == 4
     # the accepted path root -> (0,) -> (0, 0): in BFS order nodes 0, 1, 3; likeliest first positions 1 and 3
-    assert tree.node_paths == ((), (0,), (1,), (2,), (0, 0))
-    drafter.update(tokens, torch.tensor([0, 1, 4]), torch.zeros(5, 3, dtype=torch.long))
+    assert proposed.tree.node_paths == ((), (0,), (1,), (2,), (0, 0))
+    drafter.learn(outcome(proposed.tokens, [0, 1, 4], 3, 20.0))
     assert budget.acceptance == [1.0, 0.75, 0.25, 0.7, 0.2]
-    drafter.observe(20.0)
     assert budget.speed > 1  # the step took twice the calibrated time
-    tokens, tree = drafter.propose(torch.tensor([4, 5]), 5)  # step 2 explores the size below
-    assert tree is drafter.nested.trees[1] and drafter.budget_report()[1]["explored"]
+    proposed = drafter.propose(torch.tensor([4, 5]))  # step 2 explores the size below
+    assert proposed.tree is drafter.nested.trees[1] and proposed.estimates["explored"]
     # near the context's end the loop verifies the root alone: nothing is learned from that step
-    drafter.update(tokens[:1], torch.tensor([0]), torch.zeros(1, 3, dtype=torch.long))
-    before = (budget.speed, list(budget.correction))
-    drafter.observe(99.0)
-    assert (budget.speed, budget.correction) == before
+    before = (budget.speed, list(budget.correction), list(budget.acceptance))
+    drafter.learn(outcome(proposed.tokens[:1], [0], 3, 99.0, whole=False))
+    assert (budget.speed, budget.correction, budget.acceptance) == before
 
 
 def test_stop_rule():
@@ -191,20 +243,20 @@ def test_docstring_examples(module):
     assert tried and not failed
 
 
-def test_the_loop_gives_each_nodes_top_k_probabilities_to_a_drafter_that_wants_them():
+def test_the_probabilities_of_the_top_k_are_the_softmax_and_computed_only_when_read():
     calls = []
 
     class Recording(PromptLookupDrafter):
-        wants_probs = True
-        top_k = 3
+        needs = Needs(top_k=3)
 
-        def update(self, tokens, path, top, probs):
-            calls.append(probs)
+        def learn(self, outcome):
+            calls.append(outcome)
             return []
 
     model = tiny_model("llama", vocab=16)
     list(decode(model, [1, 2, 3, 4, 5, 6, 7] * 3, Recording(), 12))
-    assert calls and all(p.shape[1] == 3 and p.dtype == torch.float32 for p in calls)
-    for probs in calls:
-        assert bool((probs[:, :-1] >= probs[:, 1:]).all()) and bool((probs.sum(dim=1) <= 1 + 1e-5).all())
-    assert PromptLookupDrafter.wants_probs is False  # the others get None: no softmax over the vocabulary
+    assert calls and all("probs" not in o.__dict__ for o in calls)  # nobody read them: no softmax was taken
+    for o in calls:
+        want = torch.softmax(o.logits.float(), dim=-1).gather(1, o.top)
+        torch.testing.assert_close(o.probs, want)
+        assert o.probs.dtype == torch.float32 and bool((o.probs.sum(dim=1) <= 1 + 1e-5).all())

@@ -10,9 +10,9 @@ from conftest import VOCAB, reference_greedy
 from test_lossless import NEW_TOKENS, oracle_matrix, prompts
 
 from tr_core import AdjacencyMatrix, run
+from tr_core.beyond.dynamic import DynamicRecyclingDrafter, choose_size, grow_best_first
 from tr_core.budget import TreeBudget, candidate_sizes
-from tr_core.drafters import Drafter
-from tr_core.dynamic import DynamicRecyclingDrafter, choose_size, grow_best_first
+from tr_core.drafters import Drafter, Needs, Outcome
 from tr_core.tree import tree_from_parents
 
 
@@ -98,8 +98,18 @@ def test_rows_never_written_are_not_drafted_and_unknown_rows_read_as_the_prior()
     tokens, parents, ranks, probs = grow_best_first(m, 3, 5)
     assert tokens == [3, 5, 6, 1, 2] and parents == [-1, 0, 0, 1, 1]
     assert probs == [1.0, 0.375, 0.1875, 0.375 * 0.25, 0.375 * 0.125]  # 6, 1 and 2's rows were never written
-    with pytest.raises(ValueError, match="with_probs"):
-        grow_best_first(AdjacencyMatrix(8, 2), 3, 5)
+    # a matrix that keeps no probabilities reads as one whose written rows are unknown: the same tree
+    plain = AdjacencyMatrix(8, 2)
+    assert grow_best_first(plain, 3, 5) == ([3], [-1], [0], [1.0])
+    plain.update(torch.tensor([3, 5]), torch.tensor([[5, 6], [1, 2]]))
+    assert grow_best_first(plain, 3, 5) == grow_best_first(plain.clone().with_probs(), 3, 5)
+    assert grow_best_first(plain, 3, 5)[0] == [3, 5, 6, 1, 2] and plain.probs is None  # reading changed nothing
+
+
+def outcome(tokens, path, top, probs, forward_ms=10.0, whole=True):
+    made = Outcome(tokens, torch.tensor(path), top, None, forward_ms, whole)
+    made.__dict__["probs"] = probs  # as if computed: the cached value the drafter reads
+    return made
 
 
 def hand_matrix() -> AdjacencyMatrix:
@@ -112,19 +122,20 @@ def hand_matrix() -> AdjacencyMatrix:
 def test_the_drafter_proposes_the_tree_in_bfs_order_and_learns_probabilities():
     m = hand_matrix()
     drafter = DynamicRecyclingDrafter(m, max_nodes=3)
-    tokens, tree = drafter.propose(torch.tensor([9, 1]), 1)
+    proposed = drafter.propose(torch.tensor([9, 1]))
+    tokens, tree = proposed.tokens, proposed.tree
     # best first: 2 (0.5), 4 (0.375), 3 (0.25); in BFS order root, 2, 3, then 4
     assert tokens.tolist() == [1, 2, 3, 4] and tree.parents.tolist() == [-1, 0, 0, 1]
     assert tree.name == "dynamic" and tree.sources == ("root", "best-first", "best-first", "best-first")
     assert tree.node_paths == ((), (0,), (1,), (0, 0))
-    assert drafter.last_path_probs == [1.0, 0.5, 0.25, 0.375] and drafter.budget_report() == (None, {})
+    assert drafter.last_path_probs == [1.0, 0.5, 0.25, 0.375] and (proposed.budget, proposed.estimates) == (None, {})
     top = torch.tensor([[2, 7], [4, 6], [8, 9], [1, 2]])
     probs = torch.tensor([[0.5, 0.25], [0.625, 0.25], [0.5, 0.5], [0.75, 0.125]])
-    updates = drafter.update(tokens, torch.tensor([0, 1, 3]), top, probs)
+    updates = drafter.learn(outcome(tokens, [0, 1, 3], top, probs))
     assert [(u.token, u.old, u.new) for u in updates] == [(1, [2, 3], [2, 7]), (2, [4, 5], [4, 6]),
                                                          (3, [0, 0], [8, 9]), (4, [0, 0], [1, 2])]
     assert m.probs[2].tolist() == [0.625, 0.25] and m.probs[3].tolist() == [0.5, 0.5]
-    tokens, tree = drafter.propose(torch.tensor([9, 1]), 1)  # 1 -> 2 (0.5), 2 -> 4 (0.3125), 1 -> 7 (0.25)
+    tokens = drafter.propose(torch.tensor([9, 1])).tokens  # 1 -> 2 (0.5), 2 -> 4 (0.3125), 1 -> 7 (0.25)
     assert tokens.tolist() == [1, 2, 7, 4] and drafter.last_path_probs == [1.0, 0.5, 0.25, 0.3125]
 
 
@@ -132,24 +143,23 @@ def test_each_step_drafts_the_size_its_path_probabilities_favour_over_the_budget
     # 1 -> 2 (0.5), 2 -> 4 (0.375), 1 -> 3 (0.25): on a flat curve every node pays, on a steep one none
     flat = TreeBudget([1, 4], [10.0, 10.0], [1.0, 0.5, 0.5, 0.5], explore_every=0, acceptance_rate=0.5)
     drafter = DynamicRecyclingDrafter(hand_matrix(), budget=flat)
-    tokens, tree = drafter.propose(torch.tensor([1]), 1)
-    n, report = drafter.budget_report()
+    proposed = drafter.propose(torch.tensor([1]))
+    tokens, tree, n, report = proposed.tokens, proposed.tree, proposed.budget, proposed.estimates
     assert tree.size == 4 and n == 3 and report["chosen_by"] == "path probabilities"
     assert report["expected_tokens"] == [1.0, 2.125] and report["best"] == 3
     steep = TreeBudget([1, 4], [10.0, 40.0], [1.0, 0.5, 0.5, 0.5], explore_every=0)
-    assert DynamicRecyclingDrafter(hand_matrix(), budget=steep).propose(torch.tensor([1]), 1)[1].size == 1
+    assert DynamicRecyclingDrafter(hand_matrix(), budget=steep).propose(torch.tensor([1])).tree.size == 1
     # accepted root -> 2 -> 4 (BFS nodes 0, 1, 3), the budget's own size ran: it learns the places
-    drafter.update(tokens, torch.tensor([0, 1, 3]), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2))
+    drafter.learn(outcome(tokens, [0, 1, 3], torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 2), 20.0))
     assert flat.acceptance == [1.0, 0.75, 0.75, 0.25]
     assert drafter.calibration.factor == pytest.approx((1 + 2) / (1 + 1.125))  # 2 accepted for 1.125
-    drafter.observe(20.0)
     assert flat.speed > 1  # the step took twice the calibrated time
     # near the context's end the loop verifies the root alone: nothing is learned from that step
-    tokens, tree = drafter.propose(torch.tensor([1]), 1)  # rows now all zeros: the root alone
-    assert tree.size == 1 and drafter.budget_report()[0] == 0
+    proposed = drafter.propose(torch.tensor([1]))  # rows now all zeros: the root alone
+    assert proposed.tree.size == 1 and proposed.budget == 0
     speed, factor = flat.speed, drafter.calibration.factor
-    drafter.update(torch.tensor([1, 5]), torch.tensor([0]), torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2))
-    drafter.observe(99.0)
+    drafter.learn(outcome(torch.tensor([1]), [0], torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), 99.0,
+                          whole=False))
     assert flat.speed == speed and drafter.calibration.factor == factor
 
 
@@ -162,15 +172,19 @@ def test_choose_size_follows_the_step_time_curve():
     assert choose_size(probs, [1, 8], [10.0, 17.0], 0.1) == 1  # the matrix was ten times too sure: none
 
 
-def test_the_drafter_declares_what_the_loop_reads_and_refuses_bad_settings():
+def test_the_drafter_has_the_two_verbs_refuses_bad_settings_and_never_changes_a_matrix_when_made():
     drafter = DynamicRecyclingDrafter(AdjacencyMatrix(VOCAB, 5, keep_probs=True), max_nodes=8, seed_from_prompt=True)
-    assert (drafter.name, drafter.top_k, drafter.wants_prefill_logits, drafter.wants_probs) == ("tr-dynamic", 5, True,
-                                                                                                True)
-    for method in ("propose", "update", "on_prefill", "observe", "budget_report"):
+    assert (drafter.name, drafter.needs) == ("tr-dynamic", Needs(top_k=5, prefill=True))
+    for method in ("propose", "learn"):
         assert (list(inspect.signature(getattr(drafter, method)).parameters)
                 == list(inspect.signature(getattr(Drafter, method)).parameters)[1:]), method
-    with pytest.raises(ValueError, match="with_probs"):
-        DynamicRecyclingDrafter(AdjacencyMatrix(VOCAB, 5), max_nodes=8)
+    plain = AdjacencyMatrix(VOCAB, 5)
+    drafter = DynamicRecyclingDrafter(plain, max_nodes=8)
+    assert plain.probs is None  # made: nothing changed; its first lesson makes the matrix keep probabilities
+    proposed = drafter.propose(torch.tensor([3]))
+    drafter.learn(outcome(proposed.tokens, [0], torch.ones(proposed.tokens.numel(), 5, dtype=torch.long),
+                          torch.full((proposed.tokens.numel(), 5), 0.1)))
+    assert plain.probs is not None and plain.probs[3].tolist() == [pytest.approx(0.1, rel=1e-3)] * 5
     budget = TreeBudget([1, 3], [10.0, 12.0], [1.0, 0.5, 0.3])
     for kwargs in ({}, {"max_nodes": 8, "budget": budget}):
         with pytest.raises(ValueError, match="either max_nodes or a tree budget"):
@@ -221,7 +235,7 @@ def test_long_paths_from_a_hot_start_file_without_probabilities_stay_exact(tiny)
         for prompt in prompts(seed=7)[:3]:
             ref = reference_greedy(model, prompt, NEW_TOKENS)
             drafter = make(oracle_matrix(model, prompt, ref).with_probs())
-            drafter.update = lambda tokens, path, top, probs: []
+            drafter.learn = lambda outcome: []
             result = run(model, prompt, drafter, NEW_TOKENS)
             assert result.token_ids == ref
             longest = max([longest] + [len(e.accepted_path) - 1 for e in result.events])

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from tr_core import AdjacencyMatrix, RecyclingDrafter, StepEvent, build_tree, decode
 from tr_core.decoding import tree_mask
-from tr_core.kv import keep_accepted_path
+from tr_core.speed.kv import keep_accepted_path
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18]
 
@@ -110,9 +110,10 @@ def test_prompt_seeding_fills_each_distinct_prompt_token_once_from_its_last_occu
     seen = []
 
     class Recording(RecyclingDrafter):
-        def on_prefill(self, ids, logits):
-            seen.append((ids.clone(), logits.clone()))
-            super().on_prefill(ids, logits)
+        def learn(self, outcome):
+            if outcome.is_prompt:
+                seen.append((outcome.tokens.clone(), outcome.logits.clone()))
+            return super().learn(outcome)
 
     matrix = AdjacencyMatrix(VOCAB, 3)
     drafter = Recording(matrix, build_tree([], name="root"), seed_from_prompt=True)
@@ -162,9 +163,9 @@ def test_the_auto_tree_adapts_and_the_engine_keeps_its_budget(monkeypatch, tmp_p
     Engines of one config share the budget; another config gets its own."""
     from tr_core import engine as engine_module
     from tr_core import load_template
-    from tr_core.calibrate import fit_tree
     from tr_core.drafters import AdaptiveRecyclingDrafter
     from tr_core.engine import Engine, EngineConfig
+    from tr_core.fitting import fit_tree
 
     paper = load_template("paper")
     acc = [1.0] * paper.size  # a child never likelier than its parent
@@ -207,4 +208,4 @@ def test_every_method_beyond_the_paper_runs_on_a_model_without_acceptance_statis
     result = engine.generate(prompt, 16)
     assert result.token_ids == want and all(e.method == method for e in result.events)
     if method != "suffix":
-        assert engine.budgets[method].sizes == (1, engine.tree.size)  # the root alone, or the fallback tree
+        assert engine.learners.budgets[method].sizes == (1, engine.tree.size)  # the root alone, or the fallback tree

@@ -1,7 +1,7 @@
 """Batch invariance: a token's logits are the same bits whether it is computed alone (a plain step), inside a draft
 tree of any size the engine runs, or inside a prefill chunk, for the kernels chosen on the machine that runs the
 suite, in both modes and for each format the fast mode may pick here. What makes every method's output plain
-decoding's token for token (tr_core/attention.py, tr_core/layouts.py)."""
+decoding's token for token (tr_core/speed/attention.py, tr_core/speed/layouts.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 
-from tr_core import attention, kernels
 from tr_core.decoding import decode, run, tree_mask
 from tr_core.drafters import PlainDrafter, PromptLookupDrafter
-from tr_core.kernels import OutputHead, body, cache_dtype, feed, prepare_model
-from tr_core.kv import new_cache
-from tr_core.layouts import (
+from tr_core.speed import attention, kernels
+from tr_core.speed.kernels import OutputHead, body, cache_dtype, feed, prepare_model
+from tr_core.speed.kv import new_cache
+from tr_core.speed.layouts import (
     LAYOUTS,
     Layout,
     available_layouts,
@@ -26,6 +26,8 @@ from tr_core.layouts import (
     row_invariant,
 )
 from tr_core.tree import tree_from_parents
+
+pytestmark = pytest.mark.slow  # minutes: the embedded model in both modes, every candidate format
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 20) + "Once upon a time, in a land far away, there lived"
 # the cached tokens before the positions checked: inside an attention window, and near its end (a prefill chunk of
@@ -187,7 +189,7 @@ def test_the_chooser_runs_only_row_invariant_layouts_and_names_the_ones_it_left_
 
 
 def test_the_row_invariance_probe_tells_a_row_dependent_layout_from_a_row_by_row_one(monkeypatch):
-    from tr_core import layouts
+    from tr_core.speed import layouts
 
     real = layouts.LAYOUTS["linear"]
     shaky = Layout("linear", "fp32", "shaky", real.pack,

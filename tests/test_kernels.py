@@ -2,9 +2,9 @@ import pytest
 import torch
 from conftest import reference_greedy, tiny_model
 
-from tr_core import kernels, layouts
-from tr_core.kernels import OutputHead, fp16_weights_available, mode_dtype, prepare_model
-from tr_core.layouts import LAYOUTS, available_layouts, choose_format, choose_layouts, linear_shapes, make_plan
+from tr_core.speed import kernels, layouts
+from tr_core.speed.kernels import OutputHead, fp16_weights_available, mode_dtype, prepare_model
+from tr_core.speed.layouts import LAYOUTS, available_layouts, choose_format, choose_layouts, linear_shapes, make_plan
 
 # where this torch build has no fbgemm (not x86 or without AVX2), the fast mode has no fp16-weight linear to test
 needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
@@ -45,12 +45,12 @@ def test_a_row_count_is_computed_on_more_rows_only_where_that_is_faster_and_at_m
     assert chosen[("8x8", 2)] == "wxt@4"
     t[("8x8", 2, "linear")] = 0.51  # within the tie band of the padded choice: the unpadded one wins
     assert choose_layouts(t, available=LAYOUTS)[("8x8", 2)] == "linear"
-    from tr_core.layouts import layout_label, layout_ms
+    from tr_core.speed.layouts import layout_label, layout_ms
     assert layout_ms(t, "8x8", 1, "wxt@2") == 1.0 and layout_label("wxt@2") == "(W @ x^T)^T on 2 rows (zero rows added)"
 
 
 def test_a_padded_layout_gives_the_rows_it_was_called_with_equal_to_f_linear():
-    from tr_core.kernels import _runner
+    from tr_core.speed.kernels import _runner
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(24, 16, generator=g), torch.randn(3, 16, generator=g)
     for name in ("wxt@4", "linear@6", "xwt@5"):
@@ -84,7 +84,7 @@ def test_exact_mode_chooses_only_fp32_layouts_and_fast_mode_the_fastest_format()
     t.update({("8x8", r, "bf16-onednn"): ms for r, ms in ((1, 1.2), (2, 0.3), (4, 0.3))})
     counts = {"8x8": 4}
     exact = make_plan("exact", t, counts, available=LAYOUTS)
-    from tr_core.layouts import base_layout
+    from tr_core.speed.layouts import base_layout
     assert exact.fmt == "fp32" and {LAYOUTS[base_layout(n)].fmt for c in exact.layouts.values()
                                     for n in c.values()} == {"fp32"}
     fast = make_plan("fast", t, counts, available=LAYOUTS)
@@ -102,7 +102,7 @@ def test_exact_mode_chooses_only_fp32_layouts_and_fast_mode_the_fastest_format()
 
 
 def test_with_the_methods_expected_tokens_the_fast_format_is_chosen_by_decoding_speed_and_says_so():
-    from tr_core.kernels import describe_format
+    from tr_core.speed.kernels import describe_format
     # fp16 weights: fastest at 1-4 rows, steep beyond; bf16: slower at one row, flat up to 32 rows
     t = {("8x8", r, "fp16w"): ms for r, ms in ((1, 1.0), (2, 1.1), (4, 1.3), (32, 6.0))}
     t.update({("8x8", r, "bf16-onednn"): ms for r, ms in ((1, 1.4), (2, 1.4), (4, 1.45), (32, 1.6))})
@@ -266,8 +266,8 @@ def test_measuring_times_every_shape_row_count_and_layout():
 def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy():
     from tr_core.decoding import run
     from tr_core.drafters import PlainDrafter, RecyclingDrafter
-    from tr_core.kernels import ChosenLinear, has_fp16_weights
     from tr_core.matrix import AdjacencyMatrix
+    from tr_core.speed.kernels import ChosenLinear, has_fp16_weights
     from tr_core.tree import load_template
     model = tiny_model("llama", dtype=torch.float32)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
@@ -311,7 +311,7 @@ def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():
 
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
-    from tr_core.kernels import GQA_SWITCH, prepare_model
+    from tr_core.speed.kernels import GQA_SWITCH, prepare_model
     model = tiny_model("llama", dtype=torch.float32)
     prepare_model(model, "exact")
     assert os.environ.get(GQA_SWITCH) == "1"

@@ -3,7 +3,7 @@
 import torch
 from conftest import tiny_model
 
-from tr_core.kv import PreallocatedLayer, _on_store, keep_accepted_path, new_cache
+from tr_core.speed.kv import PreallocatedLayer, _on_store, keep_accepted_path, new_cache
 
 
 def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():

@@ -28,6 +28,9 @@ FORBIDDEN = {  # package -> the top-level modules none of its modules may import
     "ui": {"app", "benchmark"},
 }
 TR_CORE_FOR_VISUALIZE = {"tr_core", "tr_core.events"}  # the parts of tr_core visualize may import
+# Within tr_core: the algorithm (its top-level modules) and the speed code never import the tools (benchmark, asset
+# builders); the speed code never imports the methods beyond the paper nor the engine that assembles them.
+WITHIN = {"tr_core": {"tr_core.tools"}, "tr_core.speed": {"tr_core.tools", "tr_core.beyond", "tr_core.engine"}}
 TOP = ("app", "benchmark")  # the top-level modules; they may import anything
 
 # In a fresh interpreter: import each module named on the command line, in order, and print what each brought in.
@@ -47,9 +50,12 @@ print("LOADED " + json.dumps(loaded))
 
 
 def package_modules(package: str) -> list[str]:
-    """Every module of ``package`` (its ``__init__`` first), from the files in its folder."""
-    folder = ROOT / package
-    return [package] + sorted(f"{package}.{p.stem}" for p in folder.glob("*.py") if p.stem != "__init__")
+    """Every module of ``package`` and its subpackages (the package's ``__init__`` first), from the files on disk."""
+    names = []
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return [package] + sorted(n for n in names if n != package)
 
 
 def violations(loaded: dict[str, list[str]]) -> list[str]:
@@ -63,6 +69,10 @@ def violations(loaded: dict[str, list[str]]) -> list[str]:
             top = name.split(".")[0]
             if top in FORBIDDEN.get(package, ()) or (
                     package == "visualize" and top == "tr_core" and name not in TR_CORE_FOR_VISUALIZE):
+                found.append(f"{module} imports {name}")
+            elif not module.startswith("tr_core.tools") and any(
+                    module.startswith(within) and (name == banned or name.startswith(banned + "."))
+                    for within, bans in WITHIN.items() for banned in bans):
                 found.append(f"{module} imports {name}")
     return found
 
@@ -90,7 +100,7 @@ def loaded() -> dict[str, list[str] | dict]:
 def test_every_module_imports(loaded):
     expected = package_modules("tr_core") + package_modules("visualize") + package_modules("ui") + list(TOP)
     assert list(loaded) == expected
-    assert {"tr_core.engine", "tr_core.bench", "visualize.charts", "ui.lesson"} <= set(loaded)
+    assert {"tr_core.engine", "tr_core.tools.bench", "visualize.charts", "ui.lesson"} <= set(loaded)
     failed = {module: names["error"] for module, names in loaded.items() if isinstance(names, dict)}
     assert not failed
 
@@ -110,9 +120,9 @@ def test_the_probe_sees_what_each_package_uses(loaded):
 
 
 @pytest.mark.parametrize("module, names, broken", [
-    ("tr_core.bench", ["visualize", "visualize.charts", "plotly"], ["visualize", "visualize.charts", "plotly"]),
+    ("tr_core.tools.bench", ["visualize", "visualize.charts", "plotly"], ["visualize", "visualize.charts", "plotly"]),
     ("tr_core.engine", ["torch", "transformers.models"], []),
-    ("tr_core.record_trace", ["ui.lesson", "gradio"], ["ui.lesson", "gradio"]),
+    ("tr_core.tools.record_trace", ["ui.lesson", "gradio"], ["ui.lesson", "gradio"]),
     ("tr_core.models", ["networkx", "app"], ["networkx", "app"]),
     ("visualize.trace", ["tr_core", "tr_core.events", "plotly", "networkx"], []),
     ("visualize.tree_fig", ["tr_core.tree", "torch"], ["tr_core.tree", "torch"]),
@@ -120,7 +130,37 @@ def test_the_probe_sees_what_each_package_uses(loaded):
     ("ui.session", ["torch", "tr_core.engine", "gradio", "visualize"], []),
     ("ui.page", ["app"], ["app"]),
     ("app", ["gradio", "torch", "ui", "visualize", "tr_core.engine"], []),
-    ("benchmark", ["tr_core.bench", "visualize.charts"], []),
+    ("benchmark", ["tr_core.tools.bench", "visualize.charts"], []),
+    ("tr_core.decoding", ["tr_core.speed.kernels", "tr_core.tools.bench"], ["tr_core.tools.bench"]),
+    ("tr_core.speed.kernels", ["tr_core.budget", "tr_core.beyond.context", "tr_core.engine"],
+     ["tr_core.beyond.context", "tr_core.engine"]),
+    ("tr_core.tools.bench", ["tr_core.engine", "tr_core.beyond.context"], []),
 ])
 def test_the_checker_catches_each_broken_rule(module, names, broken):
     assert violations({module: names}) == [f"{module} imports {name}" for name in broken]
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """A name with a leading underscore stays in its module: ``from x import _y`` (or ``x._y``) across modules of
+    the project's packages and the top-level scripts is a sign that the name is part of an API and wants a public
+    name (tests may look inside)."""
+    import ast
+
+    ours = {"tr_core", "visualize", "ui", "app", "benchmark"}
+    files = [p for package in ("tr_core", "visualize", "ui") for p in (ROOT / package).rglob("*.py")]
+    found = []
+    for path in files + [ROOT / "app.py", ROOT / "benchmark.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in ours):
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
+
+
+def test_app_py_is_wiring_no_function_over_forty_lines():
+    import ast
+
+    tree = ast.parse((ROOT / "app.py").read_text())
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 40]
+    assert long == []

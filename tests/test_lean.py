@@ -1,5 +1,6 @@
 """The lean Llama forward must compute what transformers' LlamaModel computes: bit for bit where it keeps torch's
-attention (float64), to float tolerance where it runs the batch-invariant attention (fp32; tr_core/attention.py)."""
+attention (float64), to float tolerance where it runs the batch-invariant attention (fp32;
+tr_core/speed/attention.py)."""
 
 import pytest
 import torch
@@ -7,9 +8,9 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 from tr_core.decoding import tree_mask
-from tr_core.kernels import body
-from tr_core.kv import new_cache
-from tr_core.lean import LeanLlama, supports
+from tr_core.speed.kernels import body
+from tr_core.speed.kv import new_cache
+from tr_core.speed.lean import LeanLlama, supports
 from tr_core.tree import build_tree, load_template
 
 
@@ -56,8 +57,8 @@ def test_decoding_runs_the_lean_forward_only_where_it_applies():
 
 
 def test_lean_forward_follows_linears_swapped_after_it_was_made():
-    from tr_core.kernels import ChosenLinear, prepare_model
-    from tr_core.layouts import linear_shapes, make_plan
+    from tr_core.speed.kernels import ChosenLinear, prepare_model
+    from tr_core.speed.layouts import linear_shapes, make_plan
     model = tiny_model("llama", dtype=torch.float32)
     lean = body(model)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}

@@ -1,5 +1,7 @@
 """Every method must produce exactly the tokens of plain greedy decoding (float64 tiny models: no near-ties)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import VOCAB, reference_greedy
@@ -23,6 +25,7 @@ def prompts(seed: int):
     return out
 
 
+@pytest.mark.slow
 def test_all_methods_equal_plain_greedy(tiny):
     arch, model = tiny
     hot = {name: AdjacencyMatrix(VOCAB, 8) for name in ("paper", "small")}
@@ -74,7 +77,7 @@ def test_long_accepted_paths_stay_exact(tiny, tree):
         ref = reference_greedy(model, prompt, NEW_TOKENS)
         drafter = RecyclingDrafter(oracle_matrix(model, prompt, ref), load_template(tree))
         # The update overwrites rows as it goes; freeze them so the oracle stays an oracle for this test.
-        drafter.update = lambda tokens, path, top, probs: []
+        drafter.learn = lambda outcome: []
         result = run(model, prompt, drafter, NEW_TOKENS)
         assert result.token_ids == ref
         total_tokens += len(result.token_ids)
@@ -121,9 +124,11 @@ class StubTimed(AdaptiveRecyclingDrafter):
     """An adaptive drafter whose budget sees simulated step times (ms) instead of the tiny model's: until step 40
     large trees are dear, then cheap, so the size changes during the run whatever the machine."""
 
-    def observe(self, forward_ms):
-        n, step = self.tree.size, self.budget.steps
-        super().observe(10 + (2.0 if step < 40 else 0.02) * n)
+    def learn(self, outcome):
+        if not outcome.is_prompt:
+            n, step = self.tree.size, self.budget.steps
+            outcome = dataclasses.replace(outcome, forward_ms=10 + (2.0 if step < 40 else 0.02) * n)
+        return super().learn(outcome)
 
 
 def adaptive_drafter(matrix, explore_every=3):
@@ -151,6 +156,6 @@ def test_a_tree_that_changes_size_during_the_run_stays_exact(tiny):
     prompt = prompts(seed=7)[0]
     ref = reference_greedy(model, prompt, NEW_TOKENS)
     drafter = adaptive_drafter(oracle_matrix(model, prompt, ref), explore_every=2)
-    drafter.update = lambda tokens, path, top, probs: []
+    drafter.learn = lambda outcome: []
     result = run(model, prompt, drafter, NEW_TOKENS)
     assert result.token_ids == ref and max(len(e.accepted_path) for e in result.events) > 3

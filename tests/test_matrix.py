@@ -71,8 +71,12 @@ def test_load_mismatch_is_a_clear_error(tmp_path):
 def test_a_matrix_keeps_no_probabilities_unless_asked():
     m = AdjacencyMatrix(10, 3)
     assert m.probs is None
-    with pytest.raises(ValueError, match="with_probs"):
-        m.update(torch.tensor([1]), torch.tensor([[4, 0, 5]]), probs=torch.tensor([[0.5, 0.2, 0.1]]))
+    m.update(torch.tensor([2]), torch.tensor([[7, 8, 9]]))
+    # given probabilities, it keeps them from then on: rows written before are unknown (NaN), never written 0
+    m.update(torch.tensor([1]), torch.tensor([[4, 0, 5]]), probs=torch.tensor([[0.5, 0.2, 0.1]]))
+    assert m.probs is not None and m.probs[1].tolist() == pytest.approx([0.5, 0.2, 0.1], rel=1e-3)
+    assert m.probs[2].isnan().all() and not m.probs[3].any()
+    m = AdjacencyMatrix(10, 3)
     kept = AdjacencyMatrix(10, 3, keep_probs=True)
     assert kept.probs.dtype == torch.float16 and kept.probs.shape == (10, 3) and not kept.probs.any()
     assert kept.nbytes == 10 * 3 * (4 + 2)
@@ -108,13 +112,16 @@ def test_seed_writes_the_softmax_probabilities_of_the_top_k():
     logits = torch.randn(3, 20, generator=g) * 3
     ids = torch.tensor([4, 7, 9])
     m = AdjacencyMatrix(20, 4, keep_probs=True)
-    m.seed(ids, logits)
+    top = logits.topk(4, dim=-1).indices
+    m.seed(ids, top, torch.softmax(logits, dim=-1).gather(1, top))
     want = torch.softmax(logits, dim=-1).topk(4, dim=-1)
     assert torch.equal(m.rows[ids], want.indices.to(torch.int32))
     assert torch.allclose(m.probs[ids].float(), want.values, rtol=1e-3, atol=1e-4)
     assert m.prob_count == 3
+    with pytest.raises(ValueError, match="keeps probabilities"):
+        m.seed(ids, top)
     plain = AdjacencyMatrix(20, 4)
-    plain.seed(ids, logits)
+    plain.seed(ids, top)
     assert torch.equal(plain.rows, m.rows) and plain.probs is None
 
 

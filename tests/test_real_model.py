@@ -1,6 +1,7 @@
 """The embedded model (SmolLM2-135M-Instruct, fp32) on Spec-Bench prompts: Token Recycling with the paper tree
 against plain greedy decoding."""
 
+import pytest
 import torch
 
 from tr_core import (
@@ -19,6 +20,7 @@ NEW_TOKENS = 48
 NEAR_TIE = 1e-3  # fp32 logit gap under which a batched and a one-token forward may pick different argmaxes
 
 
+@pytest.mark.slow
 def test_paper_tree_on_spec_bench_prompts(embedded):
     model, tokenizer = embedded
     questions = [q for q in stratified(load_questions(), 1) if q.category != "summarization"][:5]

@@ -10,10 +10,11 @@ from conftest import VOCAB, tiny_model
 from test_real_model import NEAR_TIE
 
 from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, decoding, load_template, run
+from tr_core.beyond.context import ContextRecyclingDrafter, PlusRecyclingDrafter
+from tr_core.beyond.dynamic import DynamicRecyclingDrafter
+from tr_core.beyond.suffix import SuffixDrafter
 from tr_core.budget import TreeBudget, candidate_sizes
-from tr_core.context import ContextRecyclingDrafter, PlusRecyclingDrafter, SuffixDrafter
 from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
-from tr_core.dynamic import DynamicRecyclingDrafter
 from tr_core.events import StepEvent
 from tr_core.sampling import Sampler, Sampling, gumbel
 
@@ -259,6 +260,7 @@ def test_the_statistical_test_has_power_to_detect_a_two_percent_shift(dist_model
         assert rejected >= 80, f"a 2% shift between outcomes {a} and {b} was detected {rejected}/100 times"
 
 
+@pytest.mark.slow
 def test_tr_and_pld_sample_the_exact_joint_distribution_of_three_tokens(dist_model):
     model, exact = dist_model
     seeds = range(DIST_SEEDS)
@@ -271,6 +273,7 @@ def test_tr_and_pld_sample_the_exact_joint_distribution_of_three_tokens(dist_mod
         assert outputs == plain  # and, seed by seed, the same tokens as plain sampling
 
 
+@pytest.mark.slow
 def test_a_wrong_acceptance_rule_fails_the_same_test(dist_model, monkeypatch):
     """The deliberately wrong rule: accept a draft child whenever its token is inside its parent's kept set (top-k
     and top-p), instead of only when it is the parent's sampled choice."""
@@ -296,6 +299,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(dist_model, monkeypatch):
 
 # --- the embedded model ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_method_equals_plain_sampling_on_the_embedded_model(embedded):
     from tr_core import encode_prompt, eos_token_ids
 
@@ -345,7 +349,7 @@ def test_the_command_line_samples_and_every_method_gives_plain_samplings_answer(
 
 
 def test_the_benchmark_reports_each_temperature(tiny_folder, tmp_path, capsys):
-    from tr_core.bench import main
+    from tr_core.tools.bench import main
 
     folder, _, _ = tiny_folder
     questions = tmp_path / "q.jsonl"

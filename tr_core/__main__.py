@@ -14,9 +14,9 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from .engine import METHODS, Engine, EngineConfig
-from .kernels import MODES
 from .models import ModelLoadError
 from .sampling import Sampling
+from .speed import MODES
 from .tree import TreeTemplateError
 
 

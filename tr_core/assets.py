@@ -2,13 +2,13 @@
 
     assets/
       trees/<name>.json                        draft-tree templates, as data (``tree.load_template``)
-      hot_start/<model>-k<k>.safetensors       hot-start adjacency matrices (``python -m tr_core.build_assets``)
+      hot_start/<model>-k<k>.safetensors       hot-start adjacency matrices (``-m tr_core.tools.build_assets``)
       acceptance/<model>.json                  how often each paper-tree node was accepted (same command)
-      traces/<name>.json, <name>.meta.json     the runs "How it works" replays (``python -m tr_core.record_trace``)
+      traces/<name>.json, <name>.meta.json     the runs "How it works" replays (``-m tr_core.tools.record_trace``)
       spec_bench/question.jsonl                the benchmark's questions (own copy, Apache-2.0)
       prompts/generic.txt                      the prompts the hot-start matrix is built from
       benchmarks/beyond_paper.json             a benchmark's figures for "How it works"
-                                               (``python -m tr_core.bench_summary``)
+                                               (``python -m tr_core.tools.bench_summary``)
 
 ``<model>`` is the model's slug (``model_slug``), e.g. ``smollm2-135m-instruct``:
 

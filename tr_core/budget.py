@@ -1,6 +1,6 @@
 """The tree budget, adapted online: how many draft nodes the next step verifies.
 
-``calibrate.fit_tree`` picks, once, the N likeliest nodes maximising expected tokens per second,
+``fitting.fit_tree`` picks, once, the N likeliest nodes maximising expected tokens per second,
 (1 + expected accepted draft tokens) / t(N), from t(N) calibrated in a few seconds. On a machine whose speed drifts
 that verdict goes stale. ``TreeBudget`` keeps deciding, from the engine's own steps, over a few candidate sizes
 (nodes, root included; the tree of size N is always the N likeliest nodes, so every size is a prefix of one order):
@@ -54,7 +54,7 @@ def candidate_sizes(max_nodes: int, include: Iterable[int] = ()) -> list[int]:
 
 def likeliest_first(acceptance: Sequence[float]) -> list[int]:
     """Node indices, root first, then the others by acceptance (likeliest first; the lower index on a tie), as
-    ``calibrate.fit_tree`` orders them. A child is never likelier than its parent, so each prefix is a tree.
+    ``fitting.fit_tree`` orders them. A child is never likelier than its parent, so each prefix is a tree.
 
     >>> likeliest_first([1.0, 0.2, 0.5, 0.2])
     [0, 2, 1, 3]
@@ -211,6 +211,18 @@ class TreeBudget:
             self.measured[i] = True
         else:
             self.speed *= math.exp(self.speed_rate * surprise)
+
+    def running(self, index: int, exploring: bool = False) -> None:
+        """The candidate size (``sizes[index]``) that the next ``observe_path`` and ``observe_time`` learn about, for
+        a drafter that sizes its own tree (the best-first and context drafters) and so runs a size ``choose`` did
+        not pick: ``exploring`` as on a step that tries a neighbour of the best size."""
+        self.current, self.exploring = index, exploring
+
+    def observe_scaled_time(self, ms: float, nodes: int, step_ms: Sequence[float] | None = None) -> None:
+        """A step of ``nodes`` nodes (root included) took ``ms``: learn it as the time of the size running, scaled
+        by the estimated step times ``step_ms`` (those the step was sized by; default: the estimates now)."""
+        estimated = list(step_ms) if step_ms is not None else self.step_ms()
+        self.observe_time(ms * estimated[self.current] / step_time(self.sizes, estimated, nodes))
 
     def observe_path(self, positions: Iterable[int]) -> None:
         """The step's accepted draft nodes, as positions in likeliest-first order (1 = the likeliest): each node of

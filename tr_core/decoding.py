@@ -25,12 +25,20 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from .attention import window_room
-from .drafters import Drafter
+from .drafters import Drafter, Outcome
 from .events import Rates, RowUpdate, StepEvent
-from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, window
-from .kv import keep_accepted_path, new_cache
 from .sampling import Sampler, Sampling, draft_probabilities
+from .speed import (
+    OutputHead,
+    body,
+    cache_dtype,
+    feed,
+    grouped_query_attention_in_sdpa,
+    keep_accepted_path,
+    new_cache,
+    window,
+    window_room,
+)
 from .text import TokenText
 from .tree import TreeBuffers, chain_tree, cut_depth
 
@@ -121,16 +129,6 @@ def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return predicted, top
 
 
-def top_probabilities(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """The probabilities (n, k) float32 of the ids ``top`` (n, k) under the softmax of each row of ``logits`` (n, V).
-
-    >>> top_probabilities(torch.log(torch.tensor([[0.5, 0.3, 0.2]])), torch.tensor([[0, 2]])).round(decimals=3)
-    tensor([[0.5000, 0.2000]])
-    """
-    logits = logits.float()
-    return (logits.gather(-1, top) - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-
-
 def tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive 4D mask (1, 1, n, past_len + n): 0 where a node may attend, the dtype's minimum elsewhere."""
     n = tree.size
@@ -148,7 +146,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _max_positions(model: PreTrainedModel) -> int | None:
+def max_positions(model: PreTrainedModel) -> int | None:
     config = model.config
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
@@ -163,7 +161,7 @@ def _check(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -
         raise ValueError("the prompt is empty: give at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    max_pos = _max_positions(model)
+    max_pos = max_positions(model)
     if max_pos is not None and len(prompt_ids) >= max_pos:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this model takes at most {max_pos - 1}")
     return max_pos
@@ -181,17 +179,19 @@ def _last_occurrences(ids: torch.Tensor) -> torch.Tensor:
 def prefill(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, ids: torch.Tensor,
             drafter: Drafter) -> None:
     """Run ``ids`` (p,), the prompt but its last token (the first root), into ``cache``. The prefill needs no
-    logits, unless the drafter seeds itself from them (``wants_prefill_logits``): then ``on_prefill`` gets one row
-    per distinct prompt token, at its last occurrence, in chunks of 256."""
+    logits, unless the drafter learns from the prompt (``needs.prefill``): then it learns from one row per distinct
+    prompt token, at its last occurrence (an ``Outcome`` without a path), in chunks of 256."""
     if ids.numel() == 0:
         return
     hidden = feed(base, ids, cache)
-    if drafter.wants_prefill_logits:
+    if drafter.needs.prefill:
         # what overwriting row after row in sequence order would leave, for the output layer and top-k of fewer
         # positions, in chunks to bound the peak
         last = _last_occurrences(ids)
         for i in range(0, last.numel(), 256):
-            drafter.on_prefill(ids[last[i:i + 256]], head(hidden[last[i:i + 256]]))
+            logits = head(hidden[last[i:i + 256]])
+            top = top_k(logits, drafter.needs.top_k).indices if drafter.needs.top_k else None
+            drafter.learn(Outcome(ids[last[i:i + 256]], None, top, logits))
 
 
 @dataclass
@@ -200,7 +200,7 @@ class Step:
     (greedy, or sampled) after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the
     ``bonus`` token, ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows``
     the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass
-    and output layer alone); ``budget`` and ``budget_estimates``, the drafter's ``budget_report()`` for the step;
+    and output layer alone); ``budget`` and ``budget_estimates``, what the draft said of its tree budget;
     ``draft_probs``, in a sampled step, each node's probability under its parent's processed distribution."""
 
     tokens: torch.Tensor
@@ -238,8 +238,8 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     """
     started = time.perf_counter()
     device, past_len = context.device, context.numel() - 1
-    tokens, tree = drafter.propose(context, int(context[-1]))
-    budget, estimates = drafter.budget_report()
+    draft = drafter.propose(context)
+    tokens, tree = draft.tokens, draft.tree
     if max_pos is not None and past_len + tree.max_depth >= max_pos:
         tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
     if window(base) is not None and tree.max_depth > window_room(past_len):
@@ -257,17 +257,15 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     _sync(device)
     t2 = time.perf_counter()
 
-    predicted, top, draft_probs = choose(logits, drafter.top_k, sampler, positions[0] + 1, tokens, tree)
+    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions[0] + 1, tokens, tree)
     path = accept(tokens, predicted, tree)
     bonus = int(predicted[path[-1]])
-    probs = top_probabilities(logits, top) if drafter.wants_probs else None
-    rows = drafter.update(tokens, path, top, probs)
     forward_ms = (t2 - t1) * 1e3
-    drafter.observe(forward_ms)
+    rows = drafter.learn(Outcome(tokens, path, top, logits, forward_ms, whole=tree.size == draft.tree.size))
     keep_accepted_path(cache, past_len, tree.size, path)
     new_tokens = tokens[path[1:]].tolist() + [bonus]
-    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, budget, estimates,
-                draft_probs)
+    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, draft.budget,
+                draft.estimates, draft_probs)
 
 
 def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,

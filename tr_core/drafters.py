@@ -1,14 +1,20 @@
-"""Drafters: where the guessed tokens of a step come from. All three share one verification engine
-(``decoding.decode``), which calls them only through the ``Drafter`` protocol below.
+"""Drafters: where the guessed tokens of a step come from. Every method shares one verification loop
+(``decoding.decode``), which calls a drafter through two verbs only:
 
-Plain decoding proposes the root alone; Prompt Lookup a chain copied from an earlier n-gram match; Token Recycling
-a tree retrieved from its adjacency matrix, of a fixed template or, with a tree budget (``budget.TreeBudget``), of
-the N likeliest nodes for the N the budget chooses each step.
+    draft = drafter.propose(context)      # a Draft: the tokens of a draft tree, node 0 the context's last token
+    rows = drafter.learn(outcome)         # an Outcome: what verifying it showed; returns the matrix rows rewritten
+
+What a drafter learns from is fixed when it is made (``Needs``: how many of each node's best next tokens, and
+whether the prompt's too), and so is whatever it keeps (a matrix, a tree budget). Plain decoding proposes the root
+alone; Prompt Lookup a chain copied from an earlier n-gram match; Token Recycling a tree retrieved from its adjacency
+matrix, of a fixed template or, with a tree budget (``budget.TreeBudget``), of the N likeliest nodes for the N the
+budget chooses each step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol, Sequence
 
 import torch
@@ -19,75 +25,86 @@ from .matrix import AdjacencyMatrix
 from .tree import Path_, TreeBuffers, build_tree, chain_tree
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter learns from, so that the loop computes that and nothing more: ``top_k``, each verified node's
+    k best next tokens (0: none); ``prefill``, the same for the prompt's tokens before the first step."""
+
+    top_k: int = 0
+    prefill: bool = False
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal: ``tokens`` (n,) int64 on the context's device, ``tokens[0]`` the context's last token (the root,
+    not yet in the KV cache), and their ``tree`` (n nodes, BFS order). A drafter with a tree budget says the draft
+    nodes it chose (``budget``) and the estimates it chose from (``estimates``, ``TreeBudget.estimates``)."""
+
+    tokens: torch.Tensor
+    tree: TreeBuffers
+    budget: int | None = None
+    estimates: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one verification showed, or (``path`` None) what the prompt's prefill predicted.
+
+    ``tokens`` (n,): the nodes verified (the draft, or its part the loop had room for: ``whole`` says whether it was
+    all of it), or the prompt's distinct tokens in sequence order; ``path`` (a + 1,): the accepted path's node
+    indices, root first; ``top`` (n, k): each node's ``Needs.top_k`` best next tokens, best first (None for k = 0);
+    ``logits`` (n, V): the model's next-token logits at each node, from which ``probs`` (n, k), the probabilities of
+    ``top``, are computed on first use; ``forward_ms``: the forward pass and output layer, in ms (None for the
+    prompt)."""
+
+    tokens: torch.Tensor
+    path: torch.Tensor | None
+    top: torch.Tensor | None
+    logits: torch.Tensor | None = None
+    forward_ms: float | None = None
+    whole: bool = True
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.path is None
+
+    @cached_property
+    def probs(self) -> torch.Tensor | None:
+        if self.top is None or self.logits is None:
+            return None
+        logits = self.logits.float()
+        return (logits.gather(-1, self.top) - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+
+
 class Drafter(Protocol):
-    """What the decoding loop asks of a drafter, as in transformers' candidate generators (``get_candidates``,
-    ``update_candidate_strategy``), plus a hook for the prompt.
+    """What the decoding loop asks of a drafter (transformers' candidate generators have the same two verbs,
+    ``get_candidates`` and ``update_candidate_strategy``): ``name`` (the method's name in events), ``needs``, and
 
-    Each step the loop calls ``propose``, then ``budget_report``, verifies the draft in one forward pass, then calls
-    ``update`` once, always as ``update(tokens, path, top, probs)``, then ``observe(forward_ms)``. ``n`` is the tree's
-    node count, ``V`` the vocabulary size.
-
-    - ``name``: the method's name in events ("plain", "pld", "tr").
-    - ``top_k``: how many of each node's best next tokens ``update`` wants (0: none; ``top`` is then None).
-    - ``wants_prefill_logits``: whether the loop should compute the prompt's logits for ``on_prefill``.
-    - ``wants_probs``: whether ``update`` wants the probabilities of each node's top-k tokens (``probs``).
-    - ``propose(context, root)``: ``context`` (L,) int64, the sequence so far, its last token ``root`` not yet in
-      the KV cache -> ``(tokens, tree)``: ``tokens`` (n,) int64 with ``tokens[0] == root``, on the context's device,
-      and the draft tree of ``n`` nodes in BFS order.
-    - ``update(tokens, path, top)``: learn from the verified step. ``tokens`` (n,) as proposed; ``path`` (a + 1,)
-      int64, the accepted path's node indices, root first; ``top`` (n, top_k) int64, each node's best next tokens,
-      best first (None when ``top_k`` is 0); ``probs`` (n, top_k) float32, their probabilities under the model's
-      next-token distribution at each node (None unless ``wants_probs``). Returns the adjacency-matrix rows it
-      rewrote (empty: none).
-    - ``observe(forward_ms)``: the step's measured forward pass and output layer, in ms (what a tree budget learns
-      step times from; the others ignore it).
-    - ``budget_report()``: the draft nodes a tree budget chose for the step just proposed and the estimates it chose
-      from (``TreeBudget.estimates``), or ``(None, {})`` for a drafter without one.
-    - ``on_prefill(ids, logits)``: called only when ``wants_prefill_logits``, in chunks, with ``ids`` (m,) distinct
-      prompt tokens in sequence order and ``logits`` (m, V), the next-token logits at each one's last occurrence.
+    - ``propose(context)``: ``context`` (L,) int64, the sequence so far, its last token not yet in the KV cache ->
+      a ``Draft``;
+    - ``learn(outcome)``: the ``Outcome`` of the draft just proposed (once per step), or of the prompt (once, before
+      the first step, where ``needs.prefill``) -> the adjacency-matrix rows it rewrote (empty: none).
     """
 
     name: str
-    top_k: int
-    wants_prefill_logits: bool
+    needs: Needs
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]: ...
+    def propose(self, context: torch.Tensor) -> Draft: ...
 
-    wants_probs: bool
-
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
-               probs: torch.Tensor | None) -> list[RowUpdate]: ...
-
-    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None: ...
-
-    def observe(self, forward_ms: float) -> None: ...
-
-    def budget_report(self) -> tuple[int | None, dict]: ...
+    def learn(self, outcome: Outcome) -> list[RowUpdate]: ...
 
 
 class PlainDrafter:
     """Plain greedy decoding: no draft, one token per forward pass."""
 
     name = "plain"
-    wants_prefill_logits = False
-    wants_probs = False
-    top_k = 0
+    needs = Needs()
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
-        return context[-1:].clone(), chain_tree(0)
+    def propose(self, context: torch.Tensor) -> Draft:
+        return Draft(context[-1:].clone(), chain_tree(0))
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
-               probs: torch.Tensor | None = None) -> list[RowUpdate]:
+    def learn(self, outcome: Outcome) -> list[RowUpdate]:
         return []
-
-    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
-        pass
-
-    def observe(self, forward_ms: float) -> None:
-        pass
-
-    def budget_report(self) -> tuple[int | None, dict]:
-        return None, {}
 
 
 class PromptLookupDrafter(PlainDrafter):
@@ -95,7 +112,7 @@ class PromptLookupDrafter(PlainDrafter):
     ``max_ngram`` down to ``min_ngram``) and propose the up to ``max_draft`` tokens that followed it, as a chain.
 
     >>> d = PromptLookupDrafter(max_ngram=2, max_draft=3)
-    >>> d.propose(torch.tensor([5, 6, 7, 8, 9, 5, 6]), 6)[0].tolist()
+    >>> d.propose(torch.tensor([5, 6, 7, 8, 9, 5, 6])).tokens.tolist()
     [6, 7, 8, 9]
     """
 
@@ -107,7 +124,7 @@ class PromptLookupDrafter(PlainDrafter):
                              f"{min_ngram}, {max_ngram}, {max_draft}")
         self.max_ngram, self.min_ngram, self.max_draft = max_ngram, min_ngram, max_draft
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+    def propose(self, context: torch.Tensor) -> Draft:
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if context.numel() <= n:
                 continue
@@ -117,14 +134,15 @@ class PromptLookupDrafter(PlainDrafter):
             if hits.numel():
                 start = int(hits[-1]) + n
                 draft = context[start:start + self.max_draft]
-                return torch.cat([context[-1:], draft]), chain_tree(draft.numel())
-        return super().propose(context, root)
+                return Draft(torch.cat([context[-1:], draft]), chain_tree(draft.numel()))
+        return super().propose(context)
 
 
 class RecyclingDrafter(PlainDrafter):
     """Token Recycling: retrieve a draft tree from the adjacency matrix, then overwrite the rows of every tree
-    token (accepted and rejected, root included) with the top-k of that node's output distribution. ``top_k`` is
-    the matrix's k: the loop hands ``update`` each node's k best next tokens."""
+    token (accepted and rejected, root included) with the top-k of that node's output distribution; with
+    ``seed_from_prompt``, first the rows of the prompt's tokens from the prefill's. ``needs.top_k`` is the matrix's
+    k. A matrix that keeps probabilities gets them written beside the ids."""
 
     name = "tr"
 
@@ -132,30 +150,30 @@ class RecyclingDrafter(PlainDrafter):
         if tree.max_rank >= matrix.k:
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, "
                              f"more than the matrix's k={matrix.k} allows")
-        self.matrix, self.tree, self.seed_from_prompt = matrix, tree.to(matrix.rows.device), seed_from_prompt
-        self.wants_prefill_logits = seed_from_prompt
-        self.top_k = matrix.k
+        self.matrix, self.tree = matrix, tree.to(matrix.rows.device)
+        self.needs = Needs(top_k=matrix.k, prefill=seed_from_prompt)
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
-        return self.matrix.retrieve(root, self.tree), self.tree
+    def propose(self, context: torch.Tensor) -> Draft:
+        return Draft(self.matrix.retrieve(int(context[-1]), self.tree), self.tree)
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
-               probs: torch.Tensor | None = None) -> list[RowUpdate]:
-        """Overwrite the rows of the tree's tokens with ``top`` (n, k); returns each distinct token's row change, in
-        order of first occurrence."""
-        distinct = list(dict.fromkeys(tokens.tolist()))  # in order of first occurrence
+    def learn(self, outcome: Outcome) -> list[RowUpdate]:
+        """Overwrite the rows of the outcome's tokens with their ``top`` (and probabilities, in a matrix that keeps
+        them); returns each distinct token's row change, in order of first occurrence (the prompt's: none)."""
+        keeps = self.wants_probs or self.matrix.probs is not None
+        if outcome.is_prompt:
+            if self.needs.prefill:
+                self.matrix.seed(outcome.tokens, outcome.top, outcome.probs if keeps else None)
+            return []
+        distinct = list(dict.fromkeys(outcome.tokens.tolist()))  # in order of first occurrence
         old = self.matrix.rows_of(distinct)
-        if probs is not None and self.matrix.probs is not None:  # a matrix that keeps probabilities (tr-dynamic)
-            self.matrix.update(tokens, top, priority=path, probs=probs)
-        else:
-            self.matrix.update(tokens, top, priority=path)
+        probs = outcome.probs if self.wants_probs else None
+        self.matrix.update(outcome.tokens, outcome.top, priority=outcome.path, probs=probs)
         new = self.matrix.rows_of(distinct)
         return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
 
-    def on_prefill(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
-        if self.seed_from_prompt:
-            self.matrix.seed(ids, logits)
-
+    # whether the rows rewritten get their probabilities (the methods that read them; the matrix keeps them from the
+    # first such write on); the others mark them unknown in a matrix that keeps them
+    wants_probs = False
 
 
 @dataclass(frozen=True)
@@ -198,24 +216,18 @@ class AdaptiveRecyclingDrafter(RecyclingDrafter):
         self.nested, self.budget = nested.to(matrix.rows.device), budget
         self._index = {n: i for i, n in enumerate(nested.sizes)}
         self._positions: tuple[int, ...] = ()
-        self._timed = False  # whether the step verified the tree proposed (not a root cut near the context's end)
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+    def propose(self, context: torch.Tensor) -> Draft:
         i = self._index[self.budget.choose()]
         self.tree, self._positions = self.nested.trees[i], self.nested.positions[i]
-        return self.matrix.retrieve(root, self.tree), self.tree
+        return Draft(self.matrix.retrieve(int(context[-1]), self.tree), self.tree, self.tree.size - 1,
+                     self.budget.estimates())
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
-               probs: torch.Tensor | None = None) -> list[RowUpdate]:
-        rows = super().update(tokens, path, top, probs)
-        self._timed = tokens.numel() == self.tree.size
-        if self._timed:
-            self.budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+    def learn(self, outcome: Outcome) -> list[RowUpdate]:
+        """Rewrite the rows (``RecyclingDrafter.learn``); where the whole tree was verified (not a root cut near the
+        context's end), teach the budget which of its nodes were accepted and how long the step took."""
+        rows = super().learn(outcome)
+        if not outcome.is_prompt and outcome.whole:
+            self.budget.observe_path([self._positions[i] for i in outcome.path.tolist()[1:]])
+            self.budget.observe_time(outcome.forward_ms)
         return rows
-
-    def observe(self, forward_ms: float) -> None:
-        if self._timed:
-            self.budget.observe_time(forward_ms)
-
-    def budget_report(self) -> tuple[int | None, dict]:
-        return self.tree.size - 1, self.budget.estimates()

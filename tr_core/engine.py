@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, replace
-from typing import Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .assets import TREES_DIR, acceptance_path, hot_start_path
+from .assets import TREES_DIR, acceptance_path, hot_start_path, model_slug
 from .budget import TreeBudget, candidate_sizes, likeliest_first
-from .calibrate import (
-    DEFAULT_FIT_CONTEXT,
-    FittedTree,
-    auto_tree,
-    context_curve,
-    has_acceptance_stats,
-    interpolate,
-    model_slug,
-)
-from .decoding import DecodeResult, _max_positions, decode, run
+from .decoding import DecodeResult, decode, max_positions, run
 from .drafters import (
     AdaptiveRecyclingDrafter,
     Drafter,
@@ -46,14 +37,19 @@ from .drafters import (
     nested_trees,
 )
 from .events import StepEvent
-from .kernels import MODES, OutputHead, mode_dtype, prepare_model
+from .fitting import FittedTree, auto_tree, has_acceptance_stats
 from .matrix import AdjacencyMatrix
 from .methods import NAMES
 from .methods import check as check_method
 from .models import encode_prompt, eos_token_ids, load_model
 from .sampling import Sampling
+from .speed import DEFAULT_FIT_CONTEXT, MODES, OutputHead, context_curve, interpolate, mode_dtype, prepare_model
 from .text import TokenText
 from .tree import TreeBuffers, load_template
+
+if TYPE_CHECKING:
+    from .beyond.context import BranchAcceptance
+    from .beyond.dynamic import PathCalibration
 
 TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
 METHODS = NAMES
@@ -114,11 +110,23 @@ def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedT
                            context=config.fit_context)
     elif sized:
         raise ValueError(f"tree {config.tree!r} needs acceptance statistics for this model "
-                         "(python -m tr_core.build_assets)")
+                         "(python -m tr_core.tools.build_assets)")
     name = FALLBACK_TREE if config.tree == AUTO else config.tree
     tree = fitted.tree if fitted else load_template(name, TREE_DIRS)
     check_ranks(tree, config.top_k)
     return fitted, tree
+
+
+@dataclass
+class Learners:
+    """What an engine's runs learn besides the matrix, kept across requests by every engine of one setting
+    (``with_matrix``, ``with_config`` changing the method at most): per method, its tree budget (step times and node
+    acceptance), how often its context branches were accepted by match length (``tr-context``, ``tr-plus``) and how
+    many drafts a unit of path probability brought (``tr-dynamic``, ``tr-plus``). None of it holds a token."""
+
+    budgets: dict[str, TreeBudget] = field(default_factory=dict)
+    branches: dict[str, "BranchAcceptance"] = field(default_factory=dict)
+    calibrations: dict[str, "PathCalibration"] = field(default_factory=dict)
 
 
 class Engine:
@@ -132,7 +140,7 @@ class Engine:
         self.config = config
         self.fitted, self.tree = _resolve_tree(model, config)
         self.nested = _nested_for(model, self.fitted) if self.adaptive else None
-        self.budgets: dict = {}  # per method its TreeBudget, made on first use (budget_for), and what else it learns
+        self.learners = Learners()
         self.matrix = self.fresh_matrix()
 
     @classmethod
@@ -144,7 +152,7 @@ class Engine:
     @property
     def context_length(self) -> int | None:
         """The most positions the model takes, prompt and answer together (``None`` if its config does not say)."""
-        return _max_positions(self.model)
+        return max_positions(self.model)
 
     @property
     def adaptive(self) -> bool:
@@ -163,9 +171,10 @@ class Engine:
         not adapt."""
         if not self.adaptive:
             return None
-        if method not in self.budgets:
-            self.budgets[method] = self.fresh_budget()
-        return self.budgets[method]
+        budgets = self.learners.budgets
+        if method not in budgets:
+            budgets[method] = self.fresh_budget()
+        return budgets[method]
 
     def fresh_budget(self) -> TreeBudget | None:
         """A tree budget started from the fitted tree's size, the calibrated t(N) and the shipped acceptance (in
@@ -186,7 +195,8 @@ class Engine:
         return AdjacencyMatrix(self.vocab_size, self.config.top_k, device)
 
     def shipped_matrix_path(self) -> str | None:
-        """The hot-start matrix shipped for this model and k (``python -m tr_core.build_assets``), if there is one."""
+        """The hot-start matrix shipped for this model and k (``python -m tr_core.tools.build_assets``), if there is
+        one."""
         path = hot_start_path(model_slug(self.model), self.config.top_k)
         return str(path) if path.is_file() else None
 
@@ -209,7 +219,7 @@ class Engine:
             engine.nested = _nested_for(self.model, engine.fitted) if engine.adaptive else None
         # the same settings share the budgets: each run teaches its method's (see the module docstring)
         same = replace(config, method=self.config.method) == self.config  # budgets are kept per method already
-        engine.budgets = self.budgets if same else {}
+        engine.learners = self.learners if same else Learners()
         engine.matrix = engine.fresh_matrix()
         return engine
 
@@ -232,7 +242,7 @@ class Engine:
         if method == "pld":
             return PromptLookupDrafter(self.config.pld_max_ngram, 1, self.config.pld_max_draft)
         if method == "suffix":
-            from .context import SuffixDrafter
+            from .beyond.suffix import SuffixDrafter
             return SuffixDrafter()
         if method == "tr":
             budget = self.budget_for(method)
@@ -250,28 +260,27 @@ class Engine:
             return self.nested, self.budget_for(method)
         sizes = sorted({1, self.tree.size})
         nested = nested_trees(list(self.tree.node_paths[1:]), sizes, name=self.tree.name)
-        if method not in self.budgets:
+        budgets = self.learners.budgets
+        if method not in budgets:
             curve = context_curve(self.model, self.config.fit_context)
             prior = [0.5 ** len(p) for p in self.tree.node_paths]  # the root's 1.0, then halving with depth
-            self.budgets[method] = TreeBudget(sizes, [interpolate(curve, n) for n in sizes], prior)
-        return nested, self.budgets[method]
+            budgets[method] = TreeBudget(sizes, [interpolate(curve, n) for n in sizes], prior)
+        return nested, budgets[method]
 
     def _beyond_paper(self, method: str, nested: NestedTrees, budget: TreeBudget, seed: bool) -> Drafter:
-        from .context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
-        from .dynamic import DynamicRecyclingDrafter, PathCalibration
-        # what the method learns besides step times, kept across requests like the budget: how often context
-        # branches were accepted (by match length), how many drafts a unit of path probability brings
-        def kept(what: str, make):
-            return self.budgets.setdefault(f"{method}:{what}", make())
-
+        from .beyond.context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
+        from .beyond.dynamic import DynamicRecyclingDrafter, PathCalibration
+        # what the method learns besides step times, kept across requests like the budget
+        learners = self.learners
+        if method in ("tr-context", "tr-plus"):
+            branch = learners.branches.setdefault(method, BranchAcceptance())
+        if method in ("tr-dynamic", "tr-plus"):
+            calibration = learners.calibrations.setdefault(method, PathCalibration())
         if method == "tr-context":
-            return ContextRecyclingDrafter(self.matrix, nested, budget, seed, branch=kept("branch", BranchAcceptance))
-        self.matrix.with_probs()  # a best-first tree needs each candidate's probability (unknown ones: a prior)
-        calibration = kept("calibration", PathCalibration)
+            return ContextRecyclingDrafter(self.matrix, nested, budget, seed, branch=branch)
         if method == "tr-dynamic":
             return DynamicRecyclingDrafter(self.matrix, budget=budget, seed_from_prompt=seed, calibration=calibration)
-        return PlusRecyclingDrafter(self.matrix, nested, budget, seed, calibration=calibration,
-                                    branch=kept("branch", BranchAcceptance))
+        return PlusRecyclingDrafter(self.matrix, nested, budget, seed, calibration=calibration, branch=branch)
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, use_chat_template=None if chat else False)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+# The key number, one name everywhere (the app, the walkthrough, the benchmark's report): new tokens per verification
+# forward pass, the bonus token counted (so a step that accepted no draft still counts 1)
+TOKENS_PER_PASS = "tokens per forward pass (bonus token included)"
+
 
 @dataclass(frozen=True)
 class Rates:

@@ -141,7 +141,7 @@ class AdjacencyMatrix:
         if top.shape[-1] < self.k:
             raise ValueError(f"the matrix keeps k={self.k} candidates per row, got {top.shape[-1]}")
         if probs is not None and self.probs is None:
-            raise ValueError("this matrix keeps no probabilities: call with_probs() first")
+            self.with_probs()  # from now on it keeps them: the rows written so far, unknown
         if probs is not None and (probs.shape[0] != top.shape[0] or probs.shape[-1] < self.k):
             raise ValueError(f"probs {tuple(probs.shape)} do not match top {tuple(top.shape)} for k={self.k}")
         new_rows = top[:, :self.k].to(torch.int32)
@@ -167,15 +167,17 @@ class AdjacencyMatrix:
                 table[torch.tensor(ids, device=table.device)] = values[torch.tensor(nodes, device=table.device)]
         return new_rows
 
-    def seed(self, token_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """Fill rows from a prompt's prefill logits: ``token_ids`` (n,), ``logits`` (n, V), in sequence order; into a
-        matrix that keeps probabilities, with the softmax probabilities of each row's top k."""
-        values, ids = torch.topk(logits, self.k, dim=-1)
-        self.rows[token_ids] = ids.to(torch.int32)
+    def seed(self, token_ids: torch.Tensor, top: torch.Tensor, probs: torch.Tensor | None = None) -> None:
+        """Fill rows from a prompt's prefill: ``token_ids`` (n,) distinct, ``top`` (n, >= k) each one's best next
+        tokens; into a matrix that keeps probabilities, with ``probs`` (n, >= k), the probabilities of ``top``."""
+        if probs is not None and self.probs is None:
+            self.with_probs()  # from now on it keeps them: the rows written so far, unknown
+        self.rows[token_ids] = top[:, :self.k].to(torch.int32)
         if self.probs is not None:
-            probs = (values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
-            self.probs[token_ids] = probs.to(torch.float16)
-            self._count(probs)
+            if probs is None:
+                raise ValueError("this matrix keeps probabilities: seed it with them")
+            self.probs[token_ids] = probs[:, :self.k].to(torch.float16)
+            self._count(probs[:, :self.k])
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
         """Save ``rows`` (and ``probs``, when kept, as a second tensor) to a safetensors file."""

@@ -1,7 +1,7 @@
 """Record traces with the embedded model: the one recorder of the runs the project ships and tests read.
 
-    python -m tr_core.record_trace              # assets/traces/{hot,cold}.json and {hot,cold}.meta.json
-    python -m tr_core.record_trace --fixtures   # tests/fixtures/trace_paper.json and trace_small.json
+    python -m tr_core.tools.record_trace              # assets/traces/{hot,cold}.json and {hot,cold}.meta.json
+    python -m tr_core.tools.record_trace --fixtures   # tests/fixtures/trace_paper.json and trace_small.json
 
 The shipped traces are what the app's "How it works" tab replays: one prompt decoded by Token Recycling twice, once
 from the shipped hot-start matrix and once from an empty (cold) matrix. The test fixtures are two runs the figure
@@ -33,10 +33,11 @@ import json
 import time
 from pathlib import Path
 
-from .assets import ASSETS_DIR, TRACES_DIR
-from .calibrate import auto_tree, context_curve, machine_key, model_slug
-from .engine import Engine, EngineConfig
-from .events import StepEvent, token_ids_named
+from ..assets import ASSETS_DIR, TRACES_DIR, model_slug
+from ..engine import Engine, EngineConfig
+from ..events import StepEvent, token_ids_named
+from ..fitting import auto_tree
+from ..speed.calibrate import context_curve, machine_key
 
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
@@ -65,7 +66,7 @@ def record_fixtures(engine: Engine, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tr_core.record_trace", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tr_core.tools.record_trace", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--tree", default="small", help="a template whose pictures read well (default: small)")
     p.add_argument("--top-k", type=int, default=8)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shipped = engine.shipped_matrix_path()
     if shipped is None:
-        p.error(f"no shipped hot-start matrix for k={args.top_k}: run python -m tr_core.build_assets first")
+        p.error(f"no shipped hot-start matrix for k={args.top_k}: run python -m tr_core.tools.build_assets first")
     curve = context_curve(engine.model, engine.config.fit_context)  # cached per machine and context
     sizes = auto_tree(engine.model, context=engine.config.fit_context).table
     slug = model_slug(engine.model)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": len(result.token_ids),
             "mean_accepted_tokens": round(len(result.token_ids) / result.steps, 4),
             "text": decode(result.token_ids),
-            "recorded_by": "python -m tr_core.record_trace",
+            "recorded_by": "python -m tr_core.tools.record_trace",
             "token_text": {str(t): decode([t]) for t in token_ids_named(events)},
             "special_ids": sorted(set(engine.tokenizer.all_special_ids) & set(token_ids_named(events))),
             "calibration": {"machine": machine_key(engine.model), "t_ms": {str(n): round(ms, 2)

@@ -1,7 +1,7 @@
 """The figures of benchmark runs that the app quotes (the "How it works" tab's step on the methods beyond the
 paper), kept small and shipped: one entry per run (per mode), read from the runs' ``results.json``.
 
-    python -m tr_core.bench_summary bench_exact bench_fast [--to assets/benchmarks/beyond_paper.json]
+    python -m tr_core.tools.bench_summary bench_exact bench_fast [--to assets/benchmarks/beyond_paper.json]
 
 Each entry gives the run's setting (machine, mode, questions, new tokens, rounds, the benchmark's arguments) and,
 per method, its median speedup over plain with the 95% interval and verdict, tokens per forward pass, draft nodes
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .assets import BEYOND_PAPER
+from ..assets import BEYOND_PAPER
 
 METHOD_KEYS = ("speedup_median", "speedup_ci95", "verdict", "mean_accepted_tokens", "mean_draft_nodes", "identical",
                "questions", "tokens_per_s")
@@ -67,7 +67,7 @@ def summarize_run(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tr_core.bench_summary", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tr_core.tools.bench_summary", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="benchmark output folders (each with a results.json)")
     p.add_argument("--to", default=str(BEYOND_PAPER), help="the summary file to write")
     args = p.parse_args(argv)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         entries.append(summarize_run(json.loads(path.read_text())))
     out = Path(args.to)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"built_by": "python -m tr_core.bench_summary " + " ".join(args.runs),
+    out.write_text(json.dumps({"built_by": "python -m tr_core.tools.bench_summary " + " ".join(args.runs),
                                "runs": entries}, indent=1) + "\n")
     print(f"{out}: {len(entries)} run(s), " + ", ".join(f"{e.get('mode')} ({len(e['methods'])} methods)"
                                                         for e in entries))

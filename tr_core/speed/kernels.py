@@ -26,9 +26,9 @@ import weakref
 import torch
 from torch import nn
 
+from ..assets import acceptance_stats
+from ..budget import expected_tokens
 from . import layouts
-from .assets import acceptance_stats
-from .budget import expected_tokens
 from .layouts import HEAD, LAYOUTS, KernelPlan, kernel_plan
 
 MODES = ("exact", "fast")

@@ -24,11 +24,11 @@ import heapq
 
 import torch
 
-from .budget import TreeBudget, step_time
-from .drafters import RecyclingDrafter
-from .events import RowUpdate
-from .matrix import AdjacencyMatrix
-from .tree import TreeBuffers, chain_tree, tree_from_parents
+from ..budget import TreeBudget, step_time
+from ..drafters import Draft, Outcome, RecyclingDrafter
+from ..events import RowUpdate
+from ..matrix import AdjacencyMatrix
+from ..tree import chain_tree, tree_from_parents
 
 
 def grow_best_first(matrix: AdjacencyMatrix, root: int,
@@ -44,11 +44,9 @@ def grow_best_first(matrix: AdjacencyMatrix, root: int,
     >>> grow_best_first(m, 1, 3)  # 1 -> 2 (0.5), 1 -> 2 -> 4 (0.5 * 0.75), 1 -> 3 (0.25); 3's row is empty
     ([1, 2, 4, 3], [-1, 0, 1, 0], [0, 0, 0, 1], [1.0, 0.5, 0.375, 0.25])
     """
-    if matrix.probs is None:
-        raise ValueError("a dynamic tree needs a matrix that keeps probabilities: call with_probs() first")
     rows, probs = matrix.rows, matrix.probs
-    if rows.device.type == "cpu":
-        rows, probs = rows.numpy(), probs.numpy()  # views: one row's tolist() costs ~1 us, ~5 us from a tensor
+    if rows.device.type == "cpu":  # views: one row's tolist() costs ~1 us, ~5 us from a tensor
+        rows, probs = rows.numpy(), None if probs is None else probs.numpy()
     tokens, parents, ranks, path_probs = [root], [-1], [0], [1.0]
     heap: list[tuple[float, int, int, int, int]] = []  # (-path probability, push order, parent, rank, token)
     prior = None
@@ -57,11 +55,12 @@ def grow_best_first(matrix: AdjacencyMatrix, root: int,
         i = len(tokens) - 1  # push the children of the node added last (the root first), unless the budget is spent
         if i >= max_nodes:
             return tokens, parents, ranks, path_probs
-        row_p = probs[tokens[i]].tolist()
+        row_t = rows[tokens[i]].tolist()
+        # a matrix that keeps no probabilities reads as one where they are unknown (written rows) or 0 (never written)
+        row_p = probs[tokens[i]].tolist() if probs is not None else [float("nan") if any(row_t) else 0.0] * len(row_t)
         if row_p[0] != row_p[0]:  # NaN: probabilities unknown
             prior = prior or matrix.prior()
             row_p = prior
-        row_t = rows[tokens[i]].tolist()
         p = path_probs[i]
         for r, q in enumerate(row_p):
             if q > 0:
@@ -155,8 +154,6 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
 
     def __init__(self, matrix: AdjacencyMatrix, max_nodes: int | None = None, budget: TreeBudget | None = None,
                  seed_from_prompt: bool = False, calibration: PathCalibration | None = None, max_grow: int = 32):
-        if matrix.probs is None:
-            raise ValueError("tr-dynamic needs a matrix that keeps probabilities: call with_probs() first")
         if (max_nodes is None) == (budget is None):
             raise ValueError("give the dynamic drafter either max_nodes or a tree budget, not both or neither")
         if max_nodes is not None and max_nodes < 0:
@@ -165,70 +162,54 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
         self.max_nodes, self.budget = max_nodes, budget
         self.calibration, self.max_grow = calibration or PathCalibration(), max_grow
         self.last_path_probs: list[float] = [1.0]
-        self._report: dict = {}
         self._predicted = 0.0
-        self._chosen = 0  # draft nodes asked for this step
         self._positions: list[int] = [0]  # each tree node's place in best-first order (root 0)
-        self._timed = False
 
-    def propose(self, context: torch.Tensor, root: int) -> tuple[torch.Tensor, TreeBuffers]:
+    def propose(self, context: torch.Tensor) -> Draft:
+        root = int(context[-1])
+        report: dict = {}
         if self.budget is None:
             tokens, parents, ranks, path_probs = grow_best_first(self.matrix, root, self.max_nodes)
-            self._chosen = self.max_nodes
+            chosen = None
         else:
             tokens, parents, ranks, path_probs = grow_best_first(
                 self.matrix, root, min(self.budget.sizes[-1], self.max_grow + 1) - 1)
-            n = self._size(path_probs)
+            n, report = self._size(path_probs)
             tokens, parents, ranks, path_probs = tokens[:n], parents[:n], ranks[:n], path_probs[:n]
-            self._chosen = n - 1
+            chosen = n - 1
         n = len(tokens) - 1
         self.tree, order = tree_from_parents(parents, ranks, name="dynamic", sources=["root"] + ["best-first"] * n)
         self._positions = order  # the tree's node j was popped order[j]-th
         self.last_path_probs = [path_probs[i] for i in order]
-        return torch.tensor([tokens[i] for i in order], dtype=torch.long, device=context.device), self.tree
+        drafted = torch.tensor([tokens[i] for i in order], dtype=torch.long, device=context.device)
+        return Draft(drafted, self.tree, chosen, report)
 
-    def _size(self, path_probs: list[float]) -> int:
-        """This step's size (nodes, root included) by ``choose_size``; keeps what it was chosen from for the
-        report, in the budget's terms, with the expected tokens of this step's own tree at every size."""
+    def _size(self, path_probs: list[float]) -> tuple[int, dict]:
+        """This step's size (nodes, root included) by ``choose_size``, and what it was chosen from, in the budget's
+        terms, with the expected tokens of this step's own tree at every size."""
         budget, factor = self.budget, self.calibration.factor
         step_ms = budget.step_ms()
         n = choose_size(path_probs, budget.sizes, step_ms, factor)
         expected = expected_by_size(path_probs, budget.sizes, factor)
-        self._report = {**budget.estimates(), "step_ms": [round(t, 3) for t in step_ms],
-                        "expected_tokens": [round(t, 4) for t in expected],
-                        "tokens_per_s": [round(1e3 * t / ms, 3) for t, ms in zip(expected, step_ms)],
-                        "best": n - 1, "explored": False, "chosen_by": "path probabilities",
-                        "calibration": round(factor, 4)}
+        report = {**budget.estimates(), "step_ms": [round(t, 3) for t in step_ms],
+                  "expected_tokens": [round(t, 4) for t in expected],
+                  "tokens_per_s": [round(1e3 * t / ms, 3) for t, ms in zip(expected, step_ms)],
+                  "best": n - 1, "explored": False, "chosen_by": "path probabilities",
+                  "calibration": round(factor, 4)}
         self._predicted = sum(path_probs[1:n])  # the drafts' path probabilities, before calibration
-        return n
+        return n, report
 
-    def update(self, tokens: torch.Tensor, path: torch.Tensor, top: torch.Tensor | None,
-               probs: torch.Tensor | None) -> list[RowUpdate]:
-        """Overwrite the rows of the tree's tokens with ``top`` (n, k) and ``probs`` (n, k); returns each distinct
-        token's row change, in order of first occurrence. With a budget, tell it the accepted nodes' places."""
-        rows = super().update(tokens, path, top, probs)  # ids and, from probs, their probabilities
-        # the loop verifies the root alone near the context's end: that step says nothing of this tree
-        self._timed = tokens.numel() == self.tree.size
-        if self.budget is not None and self._timed:
-            accepted = path.numel() - 1
-            self.calibration.observe(self._predicted, accepted)
-            budget = self.budget
-            budget.current, budget.exploring = budget.best, False  # its size's time, scaled (observe)
+    def learn(self, outcome: Outcome) -> list[RowUpdate]:
+        """Overwrite the rows of the tree's tokens with their top-k ids and probabilities; returns each distinct
+        token's row change, in order of first occurrence. With a budget, where the whole tree was verified, teach
+        the calibration how many drafts were accepted, the budget the accepted nodes' places and the step's time
+        (scaled to its best size by its estimated curve)."""
+        rows = super().learn(outcome)
+        if self.budget is not None and not outcome.is_prompt and outcome.whole:
+            path, budget = outcome.path, self.budget
+            self.calibration.observe(self._predicted, path.numel() - 1)
+            budget.running(budget.best)
             if self.tree.size == budget.sizes[budget.best]:  # the budget's own size ran (a best-first prefix): places
                 budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+            budget.observe_scaled_time(outcome.forward_ms, self.tree.size)
         return rows
-
-    def observe(self, forward_ms: float) -> None:
-        if self.budget is not None and self._timed:
-            # the time of the budget's best size, by the ratio of the estimated step times
-            budget = self.budget
-            estimated = budget.step_ms()
-            ran = step_time(budget.sizes, estimated, self.tree.size)
-            budget.observe_time(forward_ms * estimated[budget.current] / ran)
-
-    def budget_report(self) -> tuple[int | None, dict]:
-        """The draft nodes the budget chose for the step just proposed (the tree may hold fewer, where fewer nodes
-        have a probability above 0) and its estimates, or ``(None, {})`` without a budget."""
-        if self.budget is None:
-            return None, {}
-        return self._chosen, self._report

@@ -1,6 +1,6 @@
 """Spec-Bench benchmark: every method on the same questions, in rounds alternating the methods, in one process.
 
-    python -m tr_core.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
+    python -m tr_core.tools.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
                             [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast]
                             [--out bench_out] [--temperatures 0,0.3,0.7,1.0 --seed 0]
 
@@ -44,27 +44,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from .calibrate import context_curve, context_weights, describe_context, interpolate
-from .decoding import DecodeResult
-from .engine import Engine, EngineConfig
-from .kernels import mode_dtype
-from .layouts import cpu_name
-from .methods import METHODS
-from .models import encode_prompt
-from .sampling import Sampling
-from .spec_bench import Question, load_questions, stratified
+from ..decoding import DecodeResult
+from ..engine import Engine, EngineConfig
+from ..methods import METHODS
+from ..models import encode_prompt
+from ..sampling import Sampling
+from ..spec_bench import Question, load_questions, stratified
+from ..speed.calibrate import context_curve, context_weights, describe_context, interpolate
+from ..speed.kernels import mode_dtype
+from ..speed.layouts import cpu_name
+from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, compare, median_round
+from ..stats import first_difference as first_difference_at
 
 ALL_METHODS = ("plain", "pld", "suffix", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic", "tr-plus")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
 DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
-BOOTSTRAP = {"resamples": 2000, "seed": 0, "confidence": 0.95}
-# Below this many questions a percentile bootstrap of the median is little more than the ratios' range (at 5 it is
-# exactly their range: "faster" then means every question was faster, a sign test's p = 0.06): no verdict is given.
-MIN_QUESTIONS_FOR_VERDICT = 5
 
 
 @dataclass
@@ -196,17 +193,11 @@ def measure_question(runners: Sequence[MethodRunner], ids: list[int], max_new_to
     return results
 
 
-def median_round(results: Sequence[DecodeResult]) -> DecodeResult:
-    """The round with the median time (of an even count, the faster of the two middle ones): a robust time that
-    comes, with its steps and events, from one real decoding."""
-    return sorted(results, key=lambda res: res.elapsed_s)[(len(results) - 1) // 2]
-
-
 @torch.inference_mode()
 def first_difference(engine: Engine, ids: list[int], plain: list[int], other: list[int]) -> dict:
     """Where an output first leaves plain decoding's, and the two tokens' logits there (from a forward over the
     common prefix): a near-tie shows as a tiny gap."""
-    k = next(i for i, (a, b) in enumerate(zip(plain + [None], other + [None])) if a != b)
+    k = first_difference_at(plain, other)
     logits = engine.model(input_ids=torch.tensor([ids + plain[:k]], device=engine.model.device)).logits[0, -1].float()
     out = {"position": k, "plain_token": plain[k] if k < len(plain) else None,
            "method_token": other[k] if k < len(other) else None}
@@ -224,42 +215,6 @@ def ratios(records: Sequence[Record], against: Sequence[Record]) -> list[float]:
     """Per question, a method's tokens/s over another's on the same question (``records``' order)."""
     base = {r.question_id: r.tokens / r.seconds for r in against}
     return [r.tokens / r.seconds / base[r.question_id] for r in records]
-
-
-def bootstrap_median_interval(values: Sequence[float], resamples: int = BOOTSTRAP["resamples"],
-                              seed: int = BOOTSTRAP["seed"],
-                              confidence: float = BOOTSTRAP["confidence"]) -> tuple[float, float]:
-    """The percentile-bootstrap interval of the median of ``values`` (one per question): the questions drawn with
-    replacement ``resamples`` times, the median of each draw, and the middle ``confidence`` of those medians.
-    Seeded: the same values give the same interval.
-
-    >>> bootstrap_median_interval([1.2, 1.2, 1.2])
-    (1.2, 1.2)
-    """
-    x = np.asarray(values, dtype=float)
-    draws = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
-    lo, hi = np.quantile(np.median(x[draws], axis=1), [(1 - confidence) / 2, (1 + confidence) / 2])
-    return float(lo), float(hi)
-
-
-def verdict(interval: tuple[float, float] | None, questions: int) -> str:
-    """What an interval of a speedup says: "faster" or "slower" only where it excludes 1.
-
-    >>> verdict((1.05, 1.3), 30), verdict((0.7, 0.95), 30), verdict((0.9, 1.2), 30), verdict((1.1, 1.2), 3)
-    ('faster', 'slower', 'no clear difference', 'too few questions')
-    """
-    if interval is None or questions < MIN_QUESTIONS_FOR_VERDICT:
-        return "too few questions"
-    lo, hi = interval
-    return "faster" if lo > 1 else "slower" if hi < 1 else "no clear difference"
-
-
-def compare(values: Sequence[float]) -> dict:
-    """The median of per-question speedups, its 95% interval (none from one question) and the verdict."""
-    interval = bootstrap_median_interval(values) if len(values) > 1 else None
-    return {"speedup_median": round(float(np.median(values)), 4),
-            "speedup_ci95": None if interval is None else [round(interval[0], 4), round(interval[1], 4)],
-            "verdict": verdict(interval, len(values))}
 
 
 def pairwise(records: dict[str, list[Record]], categories: Sequence[str]) -> list[dict]:
@@ -409,7 +364,7 @@ def histogram(records: list[Record]) -> str:
     return "  ".join(f"{n}:{100 * counts[n] / total:.0f}%" for n in sorted(counts))
 
 
-def parser(prog: str = "python -m tr_core.bench") -> argparse.ArgumentParser:
+def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentParser:
     """The benchmark's options (``benchmark.py`` adds its own to them)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--questions", default=None, help="JSON-lines questions (default: the Spec-Bench copy in assets/)")
@@ -479,7 +434,7 @@ def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids:
            ids: list[int]) -> Record:
     """A method's record of one question from its rounds: the median round, every round's time, and whether every
     round's output equals plain decoding's (the first that does not is looked at)."""
-    res = median_round(rounds)
+    res = median_round(rounds, seconds=lambda r: r.elapsed_s)
     differs = next((r.token_ids for r in rounds if r.token_ids != plain_ids), None)
     return Record(question.question_id, question.category, name, len(res.token_ids), res.steps, res.elapsed_s,
                   differs is None, [len(e.new_tokens) for e in res.events], sum(e.forward_ms for e in res.events),
@@ -558,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         these = runners if i == 0 else build_runners(base, methods, hot, sampling)
         for qi, (q, ids) in enumerate(zip(questions, prompts)):
             rounds = measure_question(these, ids, args.max_new_tokens, args.rounds, qi, lambda: bar.update(1))
-            plain_ids = median_round(rounds["plain"]).token_ids  # every round of plain gives the same tokens
+            # every round of plain gives the same tokens
+            plain_ids = median_round(rounds["plain"], seconds=lambda r: r.elapsed_s).token_ids
             for r in these:
                 r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
             if i == 0 and args.recalibrate_every and (qi + 1) % args.recalibrate_every == 0 and qi + 1 < len(prompts):

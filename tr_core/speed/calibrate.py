@@ -1,41 +1,35 @@
-"""Fitting the draft tree to the hardware.
+"""What a step of N tokens costs here: t(N).
 
 Token Recycling pays off when verifying a tree of N tokens costs little more than one decoding step. On a
-datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 8. So:
-
-1. ``measure_forward_ms`` calibrates t(N), the forward latency for N tree tokens on a cached prefix, for the loaded
-   model, dtype and machine (cached on disk per model/dtype/machine);
-2. ``node_acceptance`` estimates, from decoding on generic prompts with a large template, how often each node lies
-   on the accepted path;
-3. ``fit_tree`` grows the tree node by node in order of acceptance (children are never likelier than their parent,
-   so each prefix of that order is a valid tree) and keeps the size that maximises
-   expected tokens per second = (1 + expected accepted draft tokens) / (t(N) + per-step overhead).
+datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 8. ``measure_forward_ms`` measures
+t(N), the step latency for N tree tokens on a cached prefix, for the loaded model, its kernels and this machine
+(cached on disk, keyed by the code that measures it); ``context_curve`` averages it over contexts. ``fitting.py``
+fits the draft tree to it; ``python -m tr_core.speed.calibrate --show`` prints the kernels, the read bandwidth and the
+plain step against the time its weights take to stream.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from . import attention, decoding, kv, layouts, lean
+from .. import decoding
+from ..decoding import max_positions, top_k, tree_mask
+from ..models import default_cache_dir
+from ..tree import build_tree, load_template
+from . import attention, kv, layouts, lean
 from . import kernels as kernels_module
-from .assets import ACCEPTANCE_DIR, acceptance_path, model_slug
 from .attention import BLOCK
-from .decoding import _max_positions, top_k, tree_mask
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
 from .kv import new_cache
 from .layouts import cpu_name, source_digest
-from .models import default_cache_dir
-from .tree import TreeBuffers, build_tree, load_template
 
 
 def machine_key(model: PreTrainedModel) -> str:
@@ -69,7 +63,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, and the argmax (N =
     1) or every node's top-k (N > 1). ``repeats`` rounds over the sizes, ``block`` counted steps of a size in a row.
     The result is cached per machine (``machine_key``); ``remeasure`` measures anew and rewrites the cache."""
-    max_pos = _max_positions(model)
+    max_pos = max_positions(model)
     if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
         prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
     windowed = window(body(model)) is not None  # the batch-invariant attention (attention.py)
@@ -202,126 +196,6 @@ def interpolate(curve: dict[int, float], n: int) -> float:
     return curve[xs[-1]]
 
 
-def node_acceptance(events: list, tree: TreeBuffers) -> list[float]:
-    """For every node of ``tree``, the share of steps in which it lay on the accepted path (root = 1.0)."""
-    counts = [0] * tree.size
-    steps = 0
-    for e in events:
-        if e.tree_name != tree.name or len(e.tree_tokens) != tree.size:
-            continue
-        steps += 1
-        for node in e.accepted_path:
-            counts[node] += 1
-    if not steps:
-        raise ValueError(f"no steps with tree {tree.name!r} to count acceptance from")
-    return [c / steps for c in counts]
-
-
-@dataclass
-class FittedTree:
-    tree: TreeBuffers
-    expected_accepted: float  # expected tokens per step, bonus included
-    predicted_speedup: float  # over plain decoding, from t(N) and the overhead
-    table: list[dict]  # one row per candidate size: nodes, expected_accepted, step_ms, predicted_speedup
-    context: int | tuple[int, ...] | None = None  # the context length(s) (tokens) t(N) was calibrated on
-
-
-def size_factors(acceptance: list[float], measured: dict[int, float]) -> dict[int, float]:
-    """How much of the acceptance statistics' promise a tree of N nodes kept when it ran: ``measured`` maps N (nodes,
-    root included) to the mean accepted tokens per step measured with the N likeliest nodes themselves; the factor
-    is (measured - 1) / (expected - 1), the draft tokens accepted against those expected from ``acceptance``.
-
-    A small tree refreshes few matrix rows a step, so its matrix is staler than the one the statistics were
-    gathered with (the paper's 81 nodes), and its nodes are accepted less often than the statistics say.
-
-    >>> size_factors([1.0, 0.5, 0.25, 0.25], {2: 1.4, 4: 1.8})
-    {2: 0.8, 4: 0.8}
-    """
-    ordered = [1.0] + sorted(acceptance[1:], reverse=True)
-    factors = {}
-    for n, mat in sorted(measured.items()):
-        promised = sum(ordered[1:n])
-        if promised > 0:
-            factors[int(n)] = round((mat - 1.0) / promised, 4)
-    return factors
-
-
-def size_factor(factors: dict[int, float], n: int, full: int = 81) -> float:
-    """The factor at ``n`` nodes, interpolated in log N between the measured sizes, and towards 1 at the statistics'
-    own tree of ``full`` nodes; 1 where nothing was measured.
-
-    >>> size_factor({2: 0.6, 8: 0.9}, 4), size_factor({2: 0.6}, 1), size_factor({}, 5)
-    (0.75, 0.6, 1.0)
-    """
-    if not factors:
-        return 1.0
-    points = sorted({**{full: 1.0}, **factors}.items()) if max(factors) < full else sorted(factors.items())
-    if n <= points[0][0]:
-        return points[0][1]
-    for (a, fa), (b, fb) in zip(points, points[1:]):
-        if n <= b:
-            w = (math.log(n) - math.log(a)) / (math.log(b) - math.log(a))
-            return fa + w * (fb - fa)
-    return points[-1][1]
-
-
-def fit_tree(source: TreeBuffers, acceptance: list[float], curve: dict[int, float],
-             overhead_ms: float = 0.0, name: str = "auto", max_nodes: int | None = None,
-             size: int | None = None, factors: dict[int, float] | None = None) -> FittedTree:
-    """The prefix of ``source``'s nodes, in order of acceptance, that maximises expected tokens per second (or, with
-    ``size``, the prefix of that many nodes, root included). ``factors`` (``size_factors``): the share of the
-    expected draft tokens that trees of each size were measured to keep; none: all of them."""
-    order = sorted(range(1, source.size), key=lambda i: (-acceptance[i], i))
-    plain_ms = interpolate(curve, 1) + overhead_ms
-    best, table, promised = None, [], 0.0
-    limit = source.size - 1 if max_nodes is None else min(max_nodes, source.size - 1)
-    for count in range(0, limit + 1):
-        if count:
-            promised += acceptance[order[count - 1]]
-        # never fewer expected tokens than a smaller tree's (measured factors carry noise)
-        expected = max(1.0 + promised * size_factor(factors or {}, count + 1, source.size),
-                       table[-1]["expected_accepted"] if table else 1.0)
-        step_ms = interpolate(curve, count + 1) + overhead_ms
-        speedup = expected / step_ms * plain_ms
-        table.append({"nodes": count + 1, "expected_accepted": expected, "step_ms": step_ms,
-                      "predicted_speedup": speedup})
-        if best is None or speedup > best[2]:
-            best = (count, expected, speedup)
-    if size is not None:
-        if not 1 <= size <= len(table):
-            raise ValueError(f"a tree of {size} nodes cannot be cut from {source.name!r} ({source.size} nodes)")
-        row = table[size - 1]
-        best = (size - 1, row["expected_accepted"], row["predicted_speedup"])
-    count, expected, speedup = best
-    chosen = [source.node_paths[i] for i in order[:count]]
-    return FittedTree(build_tree(chosen, name=name), expected, speedup, table)
-
-
-def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR) -> bool:
-    return acceptance_path(model_slug(model), acceptance_dir).is_file()
-
-
-def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None,
-              context: int | Sequence[int] = DEFAULT_FIT_CONTEXT) -> FittedTree:
-    """The tree fitted to this model on this machine: shipped acceptance statistics + t(N) calibrated over a
-    ``context``-token cache (or averaged over several contexts, ``context_curve``). With ``size``, the ``size``
-    likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
-    path = acceptance_path(model_slug(model), acceptance_dir)
-    if not path.is_file():
-        raise ValueError(f"no acceptance statistics for {model_slug(model)!r} (looked for {path}); build them with "
-                         "`python -m tr_core.build_assets --model ...`, or choose a named tree")
-    stats = json.loads(path.read_text())
-    source = build_tree([tuple(p) for p in stats["node_paths"] if p], name=stats.get("tree", "source"))
-    if [list(p) for p in source.node_paths] != stats["node_paths"]:
-        raise ValueError(f"{path}: node_paths are not in BFS order")
-    name = "auto" if size is None else f"auto-{size}"
-    factors = {int(n): f for n, f in stats.get("size_factors", {}).items()}
-    fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size,
-                      factors=factors)
-    fitted.context = context
-    return fitted
-
-
 def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> str:
     """The kernel table of ``mode`` for ``model`` (fp32, unprepared), as text: per shape and row count the chosen
     layout and every candidate's time (ms of one call, this machine), then each format's linear time of a step."""
@@ -387,15 +261,15 @@ def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tr_core.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this machine
-    for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
+    """``python -m tr_core.speed.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this
+    machine for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
     plain step against the time its weights take to stream."""
     import argparse
 
+    from ..models import load_model
     from .kernels import MODES
-    from .models import load_model
 
-    p = argparse.ArgumentParser(prog="python -m tr_core.calibrate", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m tr_core.speed.calibrate", description=main.__doc__)
     p.add_argument("--show", action="store_true", help="print the chosen kernel table (measured once, then cached)")
     p.add_argument("--mode", choices=MODES, action="append", help="one mode (default: both)")
     p.add_argument("--model", default=None, help="hub id or folder (default: the embedded model)")

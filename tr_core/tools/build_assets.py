@@ -10,11 +10,11 @@ question):
 - in the same file, ``size_factors``: how much of that acceptance trees of the N likeliest nodes keep when they run
   themselves (N = ``--sizes``): each decodes the second half of the prompts from an empty matrix, the first third of
   them warming it, and its mean accepted tokens per step on the rest is set against the statistics' promise
-  (``calibrate.size_factors``). A small tree refreshes few rows a step, so its matrix is staler than the paper
+  (``fitting.size_factors``). A small tree refreshes few rows a step, so its matrix is staler than the paper
   tree's; the fitted tree's prediction uses these factors. ``--sizes-only`` measures them again for the existing
   statistics, without rebuilding the rest.
 
-    python -m tr_core.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
+    python -m tr_core.tools.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
                                    [--sizes-max-new-tokens 64] [--sizes-only] [--hot-start-dir assets/hot_start]
                                    [--acceptance-dir assets/acceptance]
 
@@ -30,15 +30,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .assets import ACCEPTANCE_DIR, GENERIC_PROMPTS, HOT_START_DIR, acceptance_path, hot_start_path
-from .budget import likeliest_first
-from .calibrate import model_slug, node_acceptance, size_factors
-from .decoding import run
-from .drafters import RecyclingDrafter
-from .engine import Engine, EngineConfig
-from .matrix import AdjacencyMatrix
-from .text import TokenText
-from .tree import build_tree
+from ..assets import ACCEPTANCE_DIR, GENERIC_PROMPTS, HOT_START_DIR, acceptance_path, hot_start_path, model_slug
+from ..budget import likeliest_first
+from ..decoding import run
+from ..drafters import RecyclingDrafter
+from ..engine import Engine, EngineConfig
+from ..fitting import node_acceptance, size_factors
+from ..matrix import AdjacencyMatrix
+from ..text import TokenText
+from ..tree import build_tree
 
 
 def generic_prompts(path: Path = GENERIC_PROMPTS) -> list[str]:
@@ -76,7 +76,7 @@ def measure_sizes(engine: Engine, prompts: list[str], stats: dict, sizes: list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tr_core.build_assets", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tr_core.tools.build_assets", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--top-k", type=int, default=8)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     matrix_path = hot_start_path(slug, args.top_k, Path(args.hot_start_dir))
     matrix_path.parent.mkdir(parents=True, exist_ok=True)
     stats_path.parent.mkdir(parents=True, exist_ok=True)
-    engine.matrix.save(matrix_path, {"model": slug, "built_by": "python -m tr_core.build_assets",
+    engine.matrix.save(matrix_path, {"model": slug, "built_by": "python -m tr_core.tools.build_assets",
                                      "prompts": str(len(prompts)), "max_new_tokens": str(args.max_new_tokens)})
     stats = {
         "model": slug,

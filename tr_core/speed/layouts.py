@@ -612,7 +612,7 @@ def cache_key(model: nn.Module, mode: str) -> str:
 
 
 def cache_path(model: nn.Module, mode: str) -> Path:
-    from .models import default_cache_dir
+    from ..models import default_cache_dir
     return default_cache_dir() / "kernels" / f"{cache_key(model, mode)}.json"
 
 
