@@ -23,28 +23,25 @@ import gradio as gr  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
 from tr_core.events import Rates  # noqa: E402
-from tr_core.kernels import MODES  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
+from tr_core.speed.kernels import MODES  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS  # noqa: E402
 from ui.explain import build_tab as explain_tab
 from ui.inputs import MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
 from ui.page import BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
+from ui.records import RaceRun, decoding_speed, ms_per_step, race_summary  # noqa: E402
 from ui.render import (  # noqa: E402
     ANSWER_LEGEND,
-    RaceRun,
     answer_html,
     counters_html,
-    decoding_speed,
     finished_status,
     history_html,
     lanes_html,
     method_label,
-    ms_per_step,
     notice_html,
-    race_summary,
     race_table_html,
     race_verdict,
 )
@@ -75,8 +72,9 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 DEFAULT_TREE = "auto"
 WATCH_TREE = "small"
 # exact: fp32; fast: a separate copy of the model, loaded on first use, in the half-precision format measured fastest
-# here among the row-invariant ones (tr_core.layouts); in both every method's output equals plain decoding's in that
-# mode, token for token (tr_core/attention.py); the status says which format and whether this CPU allowed invariance
+# here among the row-invariant ones (tr_core.speed.layouts); in both every method's output equals plain decoding's in
+# that mode, token for token (tr_core/speed/attention.py); the status says which format and whether this CPU allowed
+# invariance
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
 LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
                 "notice", "step_plot", "watch")
@@ -417,6 +415,129 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
     return c
 
 
+def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
+    """The Live tab's components, by name."""
+    c = {"panel": settings_panel("", choices, example_labels, allow_local_models)}
+    with gr.Row():
+        c["method"] = gr.Dropdown(method_choices(), value="tr", label="Method", elem_id="method", min_width=200,
+                                  scale=2)
+        c["run"] = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run", min_width=100)
+        c["stop"] = gr.Button("Stop", size="md", scale=1, elem_id="stop", min_width=80)
+    c["notice"] = gr.HTML("", elem_id="notice")
+    c["watch"] = gr.Button(f"Watch the {WATCH_TREE} tree anyway", variant="primary", visible=False, elem_id="watch")
+    c["counters"] = gr.HTML(counters_html(Rates()), elem_id="counters")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5, min_width=320):
+            gr.HTML(ANSWER_LEGEND)
+            c["answer"] = gr.HTML(answer_html([], placeholder="The answer streams here, step by step."),
+                                  elem_id="answer")
+            c["step"] = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="step",
+                                  label="Decoding step: after a run, drag to see any")
+            with gr.Row():
+                c["play"] = gr.Button("▶ Play the decoding steps", size="sm", elem_id="play", min_width=120)
+                c["pause"] = gr.Button("❚❚ Pause", size="sm", elem_id="pause", min_width=80)
+        with gr.Column(scale=7, min_width=320):
+            c["tree_plot"] = gr.Plot(placeholder(TREE_PLACEHOLDER), label="Draft tree of the decoding step",
+                                     show_label=False, elem_id="tree-plot")
+    c["step_plot"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Each decoding step against plain decoding",
+                             show_label=False, elem_id="step-plot")
+    c["matrix_plot"] = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="Adjacency-matrix rows the step rewrote",
+                               show_label=False, elem_id="matrix-plot")
+    c["budget_plot"] = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="Tree budget: expected tokens/s by size",
+                               show_label=False, elem_id="budget-plot")
+    with gr.Accordion("Your runs in this session", open=True):
+        c["history"] = gr.HTML(history_html([]), elem_id="history")
+        c["reset"] = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
+    with gr.Accordion("Step events of your latest run and race (JSON, as the command line's --trace writes them)",
+                      open=False):
+        c["show_trace"] = gr.Button("Show the step events", size="sm", elem_id="show-trace")
+        c["trace"] = gr.JSON(elem_id="trace")
+    return c
+
+
+def race_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
+    """The Race tab's components, by name."""
+    gr.Markdown(f"Plain decoding and the methods you pick, each run {RACE_ROUNDS} times, interleaved: the median "
+                "speed with its range, every output checked against plain decoding's, and a verdict on why Token "
+                "Recycling won or lost on this machine.")
+    with gr.Accordion("How the race measures", open=False):
+        gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
+    c = {"panel": settings_panel("race-", choices, example_labels, allow_local_models)}
+    c["methods"] = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
+                                    label="Race against plain decoding", elem_id="race-methods")
+    with gr.Accordion("What each method drafts from", open=False):
+        gr.Markdown(methods_help())
+    with gr.Row():
+        c["run"] = gr.Button("Run the race", variant="primary", size="md", scale=2, elem_id="race-run")
+        c["stop"] = gr.Button("Stop", size="md", scale=1, elem_id="race-stop")
+    c["status"] = gr.Markdown(elem_id="race-status")
+    c["table"] = gr.HTML(elem_id="race-table")
+    c["plot"] = gr.Plot(placeholder(RACE_PLACEHOLDER), label="Tokens against time, as measured", show_label=False,
+                        elem_id="race-plot")
+    c["step_plot"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Token Recycling's decoding steps",
+                             show_label=False, elem_id="race-step-plot")
+    c["lanes"] = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
+    return c
+
+
+MODEL_WORK = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
+RAW = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
+SETTINGS = ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")  # the first inputs of /live and /race
+
+
+def wire_live(h: Handlers, live: dict, racing: dict, session: gr.State, timer: gr.Timer) -> None:
+    """The Live tab's events: run (and "watch the tree anyway"), stop, reset, the step slider and the player."""
+    panel = live["panel"]
+    inputs = [panel[n] for n in SETTINGS] + [session, live["method"]] + [panel[n] for n in SAMPLING]
+    outputs = [live[n] for n in ("answer", "counters", "tree_plot", "matrix_plot", "step")] + [session] + [
+        live[n] for n in ("history", "budget_plot", "notice", "step_plot", "watch")]
+    live["run"].click(h.live, inputs, outputs, api_name="live", show_progress="hidden", **MODEL_WORK, **RAW)
+    live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [panel["tree"], racing["panel"]["tree"]],
+                        api_visibility="private").then(h.live, inputs, outputs, show_progress="hidden",
+                                                       api_visibility="private", **MODEL_WORK, **RAW)
+    # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
+    live["stop"].click(h.stop, None, None, api_name="stop", queue=False)
+    live["reset"].click(h.reset, None, [session] + [live[n] for n in (
+        "answer", "counters", "tree_plot", "matrix_plot", "budget_plot", "step", "history", "notice", "step_plot",
+        "watch")], api_name="reset")
+    figures = [live[n] for n in ("answer", "tree_plot", "matrix_plot", "budget_plot")]
+    live["step"].input(h.view_step, [live["step"], session], figures, api_name="step", trigger_mode="always_last",
+                       show_progress="hidden", **RAW)
+    frame = [timer, live["step"]] + figures
+    live["play"].click(h.play, [live["step"], session], frame, api_visibility="private", show_progress="hidden")
+    live["pause"].click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
+    timer.tick(h.tick, [live["step"], session], frame, api_visibility="private", show_progress="hidden")
+    live["show_trace"].click(h.trace, [session], [live["trace"]], api_name="trace")
+
+
+def wire_race(h: Handlers, racing: dict, live: dict, session: gr.State) -> None:
+    """The Race tab's events (the race, then its replay; stop) and both tabs' model loading."""
+    panel = racing["panel"]
+    inputs = [panel[n] for n in SETTINGS] + [session, racing["methods"]] + [panel[n] for n in SAMPLING]
+    outputs = [racing[n] for n in ("status", "lanes", "table", "plot")] + [session, live["history"],
+                                                                           racing["step_plot"]]
+    run = racing["run"].click(h.race, inputs, outputs, api_name="race", show_progress="hidden", **MODEL_WORK, **RAW)
+    run.success(h.replay, [session], [racing["status"], racing["lanes"], racing["plot"]], api_name="replay",
+                show_progress="hidden")
+    racing["stop"].click(h.stop, None, None, api_visibility="private", queue=False)
+    for i, tab in enumerate((live, racing)):
+        tab["panel"]["load"].click(h.load_model, [tab["panel"]["model_id"]], [tab["panel"]["model_status"]],
+                                   show_progress="hidden", **({"api_name": "load_model"} if i == 0 else
+                                                              {"api_visibility": "private"}), **MODEL_WORK, **RAW)
+
+
+def wire_shared(live: dict, racing: dict, examples: list[str], live_tab_: gr.Tab, race_tab_: gr.Tab) -> None:
+    """What a user set in one tab holds in the other (the tab opened takes the settings of the tab left), and a
+    picked Spec-Bench question fills both prompts."""
+    live_shared, race_shared = [live["panel"][n] for n in SHARED], [racing["panel"][n] for n in SHARED]
+    race_tab_.select(lambda *values: values, live_shared, race_shared, queue=False, api_visibility="private")
+    live_tab_.select(lambda *values: values, race_shared, live_shared, queue=False, api_visibility="private")
+    prompts = [live["panel"]["prompt"], racing["panel"]["prompt"]]
+    for panel in (live["panel"], racing["panel"]):
+        panel["example"].input(lambda i: (gr.skip(),) * 2 if i is None else (examples[i],) * 2, panel["example"],
+                               prompts, api_visibility="private")
+
+
 def build_app(models: ModelCache | None = None, allow_local_models: bool = False) -> gr.Blocks:
     """The page. Nothing is loaded here: the page paints at once and the model loads on first use (or right after
     launch, see ``main``). ``allow_local_models``: the Model box may name a folder on the server."""
@@ -430,113 +551,19 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
             with gr.Accordion("What Token Recycling does", open=False):
                 gr.Markdown(INTRO.split("\n", 1)[1])
         with gr.Tabs():
-            with gr.Tab("Live", id="live", elem_id="live-tab") as live_tab:
-                live = settings_panel("", choices, example_labels, allow_local_models)
-                with gr.Row():
-                    live_method = gr.Dropdown(method_choices(), value="tr", label="Method", elem_id="method",
-                                              min_width=200, scale=2)
-                    run = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run", min_width=100)
-                    stop = gr.Button("Stop", size="md", scale=1, elem_id="stop", min_width=80)
-                notice = gr.HTML("", elem_id="notice")
-                watch = gr.Button(f"Watch the {WATCH_TREE} tree anyway", variant="primary", visible=False,
-                                  elem_id="watch")
-                counters = gr.HTML(counters_html(Rates()), elem_id="counters")
-                with gr.Row(equal_height=False):
-                    with gr.Column(scale=5, min_width=320):
-                        gr.HTML(ANSWER_LEGEND)
-                        answer = gr.HTML(answer_html([], placeholder="The answer streams here, step by step."),
-                                         elem_id="answer")
-                        step = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="step",
-                                         label="Decoding step: after a run, drag to see any")
-                        with gr.Row():
-                            play = gr.Button("▶ Play the decoding steps", size="sm", elem_id="play", min_width=120)
-                            pause = gr.Button("❚❚ Pause", size="sm", elem_id="pause", min_width=80)
-                    with gr.Column(scale=7, min_width=320):
-                        tree_plot = gr.Plot(placeholder(TREE_PLACEHOLDER), label="Draft tree of the decoding step",
-                                            show_label=False, elem_id="tree-plot")
-                step_plot = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Each decoding step against plain decoding",
-                                    show_label=False, elem_id="step-plot")
-                matrix_plot = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="Adjacency-matrix rows the step rewrote",
-                                      show_label=False, elem_id="matrix-plot")
-                budget_plot = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="Tree budget: expected tokens/s by size",
-                                      show_label=False, elem_id="budget-plot")
-                with gr.Accordion("Your runs in this session", open=True):
-                    history = gr.HTML(history_html([]), elem_id="history")
-                    reset = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
-                with gr.Accordion("Step events of your latest run and race (JSON, as the command line's --trace "
-                                  "writes them)", open=False):
-                    show_trace = gr.Button("Show the step events", size="sm", elem_id="show-trace")
-                    trace = gr.JSON(elem_id="trace")
-            with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab:
-                gr.Markdown(f"Plain decoding and the methods you pick, each run {RACE_ROUNDS} times, interleaved: "
-                            "the median speed with its range, every output checked against plain decoding's, and a "
-                            "verdict on why Token Recycling won or lost on this machine.")
-                with gr.Accordion("How the race measures", open=False):
-                    gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
-                racing = settings_panel("race-", choices, example_labels, allow_local_models)
-                race_methods = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
-                                                label="Race against plain decoding", elem_id="race-methods")
-                with gr.Accordion("What each method drafts from", open=False):
-                    gr.Markdown(methods_help())
-                with gr.Row():
-                    race = gr.Button("Run the race", variant="primary", size="md", scale=2, elem_id="race-run")
-                    race_stop = gr.Button("Stop", size="md", scale=1, elem_id="race-stop")
-                race_status = gr.Markdown(elem_id="race-status")
-                table = gr.HTML(elem_id="race-table")
-                race_plot = gr.Plot(placeholder(RACE_PLACEHOLDER), label="Tokens against time, as measured",
-                                    show_label=False, elem_id="race-plot")
-                race_step = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Token Recycling's decoding steps",
-                                    show_label=False, elem_id="race-step-plot")
-                lanes = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
+            with gr.Tab("Live", id="live", elem_id="live-tab") as live_tab_:
+                live = live_tab(choices, example_labels, allow_local_models)
+            with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab_:
+                racing = race_tab(choices, example_labels, allow_local_models)
             explain_tab()  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
         # the browser says whether its screen is narrow (a phone); the session keeps it for the figures' layout
         narrow = gr.Checkbox(False, visible=False, elem_id="narrow")
         demo.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", api_visibility="private")
         narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
-
-        # what a user set in one tab holds in the other: the tab opened takes the settings of the tab left
-        live_shared, race_shared = [live[n] for n in SHARED], [racing[n] for n in SHARED]
-        race_tab.select(lambda *values: values, live_shared, race_shared, queue=False, api_visibility="private")
-        live_tab.select(lambda *values: values, race_shared, live_shared, queue=False, api_visibility="private")
-        prompts = [live["prompt"], racing["prompt"]]
-        for panel in (live, racing):
-            panel["example"].input(lambda i: (gr.skip(),) * 2 if i is None else (examples[i],) * 2, panel["example"],
-                                   prompts, api_visibility="private")
-
-        model_work = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
-        raw = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
-        settings = [live[n] for n in ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")] + [session]
-        race_settings = [racing[n] for n in ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")]
-        live_outputs = [answer, counters, tree_plot, matrix_plot, step, session, history, budget_plot, notice,
-                        step_plot, watch]
-        live_inputs = settings + [live_method] + [live[n] for n in SAMPLING]
-        run.click(h.live, live_inputs, live_outputs, api_name="live", show_progress="hidden", **model_work, **raw)
-        watch.click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["tree"], racing["tree"]],
-                    api_visibility="private").then(h.live, live_inputs, live_outputs,
-                                                   show_progress="hidden", api_visibility="private", **model_work,
-                                                   **raw)
-        # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
-        stop.click(h.stop, None, None, api_name="stop", queue=False)
-        reset.click(h.reset, None, [session, answer, counters, tree_plot, matrix_plot, budget_plot, step, history,
-                                    notice, step_plot, watch], api_name="reset")
-        step.input(h.view_step, [step, session], [answer, tree_plot, matrix_plot, budget_plot], api_name="step",
-                   trigger_mode="always_last", show_progress="hidden", **raw)
-        frame = [timer, step, answer, tree_plot, matrix_plot, budget_plot]
-        play.click(h.play, [step, session], frame, api_visibility="private", show_progress="hidden")
-        pause.click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
-        timer.tick(h.tick, [step, session], frame, api_visibility="private", show_progress="hidden")
-        race_run = race.click(h.race, race_settings + [session, race_methods] + [racing[n] for n in SAMPLING],
-                              [race_status, lanes, table, race_plot, session, history, race_step], api_name="race",
-                              show_progress="hidden", **model_work, **raw)
-        race_run.success(h.replay, [session], [race_status, lanes, race_plot], api_name="replay",
-                         show_progress="hidden")
-        race_stop.click(h.stop, None, None, api_visibility="private", queue=False)
-        live["load"].click(h.load_model, [live["model_id"]], [live["model_status"]], api_name="load_model",
-                           show_progress="hidden", **model_work, **raw)
-        racing["load"].click(h.load_model, [racing["model_id"]], [racing["model_status"]], show_progress="hidden",
-                             api_visibility="private", **model_work, **raw)
-        show_trace.click(h.trace, [session], [trace], api_name="trace")
+        wire_shared(live, racing, examples, live_tab_, race_tab_)
+        wire_live(h, live, racing, session, timer)
+        wire_race(h, racing, live, session)
     return demo
 
 

@@ -22,20 +22,18 @@ from tr_core.engine import Engine  # noqa: E402
 from tr_core.events import Rates, RowUpdate, StepEvent  # noqa: E402
 from tr_core.matrix import AdjacencyMatrix  # noqa: E402
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError  # noqa: E402
+from tr_core.stats import Spread  # noqa: E402
+from tr_core.stats import first_difference as first_different_token  # noqa: E402
 from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
 from ui import models as models_mod  # noqa: E402
 from ui.inputs import InputError  # noqa: E402
 from ui.models import ModelCache  # noqa: E402
+from ui.records import Baseline, RaceRun, race_summary  # noqa: E402
 from ui.render import (  # noqa: E402
-    Baseline,
-    RaceRun,
-    Spread,
     answer_html,
     counters_html,
-    first_different_token,
     history_html,
     lanes_html,
-    race_summary,
     race_table_html,
     race_verdict,
     split_step,
@@ -614,7 +612,7 @@ def test_the_auto_tree_shows_its_budget_at_every_step(client):
 
 
 def test_fast_mode_decodes_on_its_own_copy_in_the_format_measured_fastest(client, app_models):
-    from tr_core.kernels import half_precision, mode_dtype
+    from tr_core.speed.kernels import half_precision, mode_dtype
     final = client.predict(PROMPT, 8, "small", 8, True, "", "fast", api_name="/live")
     fast = app_models.get("", "fast").model
     assert f"mode {mode_dtype('fast', fast)[1]}" in visible_text(final[1]) and "finished" in final[1]

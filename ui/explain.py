@@ -176,7 +176,7 @@ def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
             lesson = lesson or load_lesson()
         except (OSError, KeyError, ValueError) as e:
             gr.Markdown(f"The recorded traces could not be read ({e}). Record them with "
-                        "`python -m tr_core.record_trace`.")
+                        "`python -m tr_core.tools.record_trace`.")
             return None
         meta = lesson.hot.meta
         gr.HTML(f"<style>{EXPLAIN_CSS}</style>", padding=False)

@@ -4,8 +4,8 @@ step of the recorded run, chosen by rule (``featured_step``).
 
 The pages are data (``PAGES``: a title, a Markdown text with ``{fields}`` filled from the trace by ``facts``, and a
 function drawing the page's figure from the trace). Everything comes from ``assets/traces/`` (``python -m
-tr_core.record_trace``), the shipped acceptance statistics and benchmark summary (``python -m tr_core.bench_summary``):
-no model, and no torch.
+tr_core.tools.record_trace``), the shipped acceptance statistics and benchmark summary (``python -m
+tr_core.tools.bench_summary``): no model, and no torch.
 
     lesson = load_lesson()
     page_text(lesson, 2), page_figure(lesson, 2)      # page 3 of 9: retrieval
@@ -24,6 +24,7 @@ from typing import Callable
 import plotly.graph_objects as go
 
 from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
+from tr_core.events import TOKENS_PER_PASS
 from tr_core.methods import METHODS
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import (
@@ -358,7 +359,7 @@ def _tree_sizes(lesson: Lesson, compact: bool) -> go.Figure:
     return tree_size_table_figure(meta["tree_sizes"], marks, compact)
 
 
-KEY = "tokens per forward pass (bonus token included)"  # the one name of the key number
+KEY = TOKENS_PER_PASS  # the one name of the key number (tr_core.events)
 
 PAGES: list[Page] = [
     Page("Why decoding is slow, and how guessing helps", """\

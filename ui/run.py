@@ -22,13 +22,14 @@ from typing import Callable, Iterator
 
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
-from tr_core.kernels import mode_dtype
 from tr_core.methods import METHODS
+from tr_core.speed.kernels import mode_dtype
 from tr_core.tree import load_template
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
-from .render import Baseline, RaceRun, decoding_speed, median_run, method_label, ms_per_step
+from .records import Baseline, RaceRun, decoding_speed, median_run, ms_per_step
+from .render import method_label
 from .session import LiveRecord, RaceRecord, Session
 from .settings import DEFAULT_RACE, Settings
 

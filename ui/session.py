@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tr_core.assets import HOT_START_DIR, hot_start_files
-from tr_core.calibrate import model_slug
+from tr_core.assets import HOT_START_DIR, hot_start_files, model_slug
 from tr_core.engine import Engine
-from tr_core.events import Rates, StepEvent
+from tr_core.events import TOKENS_PER_PASS, Rates, StepEvent
 from tr_core.matrix import AdjacencyMatrix
 
-from .render import TOKENS_PER_PASS, Baseline, RaceRun
+from .records import Baseline, RaceRun
 
 
 def starting_matrix(engine: Engine, hot_start: bool, folder: Path = HOT_START_DIR) -> tuple[AdjacencyMatrix, str]:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tr_core.assets import TREES_DIR
 from tr_core.engine import AUTO
-from tr_core.kernels import MODES
 from tr_core.methods import METHODS, NAMES
 from tr_core.sampling import Sampling
+from tr_core.speed.kernels import MODES
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
 from .inputs import (

@@ -213,7 +213,7 @@ def tree_size_figure(benchmark: dict) -> go.Figure:
 
 
 def methods_figure(runs: Sequence[dict]) -> go.Figure:
-    """One panel per benchmark run (``tr_core.bench_summary``'s entries, e.g. exact and fast mode): a horizontal
+    """One panel per benchmark run (``tr_core.tools.bench_summary``'s entries, e.g. exact and fast mode): a horizontal
     bar per method, its median speedup over plain decoding with the 95% interval, the bar's text giving the tokens
     per forward pass (bonus token included). Plain decoding is the dashed line at 1."""
     fig = make_subplots(rows=1, cols=len(runs), shared_yaxes=True, horizontal_spacing=0.04,

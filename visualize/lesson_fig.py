@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 from .charts import accepted_lengths
 from .palette import BLACK, BLUE, COMPACT, GREY, LIGHT_GREY, VERMILLION, discrete_colorscale, legend_rows, wrap
 from .trace import LABEL_CHARS, TokenNamer, label, quoted
-from .tree_fig import LABEL_W, _elbow, _layout, label_chars
+from .tree_fig import LABEL_W, elbow, figure_layout, label_chars
 from .tree_layout import node_sources, tree_layout
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def _layer_traces(event: StepEvent, depth: int, chars: int = LABEL_CHARS) -> tup
                          f"(node {p})")
     colour = LAYER_COLOURS[min(depth, len(LAYER_COLOURS) - 1)]
     name = "root: the last token" if depth == 0 else f"layer {depth}"
-    edges = [_elbow(pos.x[p], pos.y[p], pos.x[i], pos.y[i]) for i in shown if (p := event.tree_parents[i]) >= 0]
+    edges = [elbow(pos.x[p], pos.y[p], pos.x[i], pos.y[i]) for i in shown if (p := event.tree_parents[i]) >= 0]
     xs = [x for e in edges for x in [*(x for x, _ in e), None]]
     ys = [y for e in edges for y in [*(y for _, y in e), None]]
     lines = dict(type="scatter", mode="lines", name=f"edges into {name}", x=xs, y=ys, showlegend=False,
@@ -160,7 +160,7 @@ def retrieval_figure(event: StepEvent, compact: bool = False) -> go.Figure:
     depth = pos.depth
     chars = label_chars(pos, compact) if compact else LABEL_CHARS
     traces = [t for d in range(depth + 1) for t in _layer_traces(event, d, chars)]
-    layout = _layout([pos], compact=compact)
+    layout = figure_layout([pos], compact=compact)
     layout["xaxis"].update(range=[-0.25, depth + LABEL_W + 0.3], tickvals=list(range(depth + 1)),
                            ticktext=["root"] + [f"layer {d}" for d in range(1, depth + 1)], title=None)
     layout["yaxis"]["range"] = [-(pos.rows - 1) - 0.8, 0.8]

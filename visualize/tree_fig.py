@@ -52,14 +52,14 @@ TEXT_PAD = 3  # px between a marker's edge and its label
 Edge = list[tuple[float, float]]  # the corners of one edge's polyline
 
 
-def _elbow(x0: float, y0: float, x1: float, y1: float) -> Edge:
+def elbow(x0: float, y0: float, x1: float, y1: float) -> Edge:
     """The edge from a parent at (x0, y0) to a child at (x1, y1): right past the parent's label, down, right."""
     xm = x0 + ELBOW_X
     return [(x0 + LABEL_W, y0), (xm, y0), (xm, y1), (x1 - MARKER_GAP, y1)]
 
 
 def _edges(pos: TreeLayout, pairs) -> list[Edge]:
-    return [_elbow(pos.x[p], pos.y[p], pos.x[c], pos.y[c]) for p, c in pairs]
+    return [elbow(pos.x[p], pos.y[p], pos.x[c], pos.y[c]) for p, c in pairs]
 
 
 @lru_cache(maxsize=256)
@@ -297,7 +297,7 @@ def x_range(pos: TreeLayout) -> tuple[float, float]:
     return -0.25, pos.depth + LABEL_W + 0.05
 
 
-def _layout(layouts: list[TreeLayout], title: str = "", legend: Sequence[str] = (), compact: bool = False,
+def figure_layout(layouts: list[TreeLayout], title: str = "", legend: Sequence[str] = (), compact: bool = False,
             ranks: bool = False) -> dict:
     """Axes wide enough for every tree in ``layouts``, so an animation never rescales; the title (``<br>`` lines)
     on top, the ``legend`` names under it, each given the room it needs at the narrowest width."""
@@ -341,7 +341,7 @@ def tree_figure(event: StepEvent, token_text: TokenNamer | None = None, compact:
     text = text_lookup([event], token_text)
     sources = _sources_drawn([event])
     traces = step_traces(event, text, compact)
-    layout = _layout([event_layout(event)], step_title(event, text, compact), _legend_names(sources), compact,
+    layout = figure_layout([event_layout(event)], step_title(event, text, compact), _legend_names(sources), compact,
                      ranks=bool(traces[0]["x"]))
     layout["shapes"] = step_shapes(event)
     return go.Figure(data=legend_keys(sources) + traces, layout=layout)
@@ -411,7 +411,7 @@ def tree_animation(events: Sequence[StepEvent], token_text: TokenNamer | None = 
                    layout=dict(title=dict(text=title), shapes=step_shapes(e, context)))
               for name, e, t, title in zip(names, events, traces, titles)]
     longest = max(titles, key=lambda s: s.count("<br>"))
-    layout = _layout(layouts, longest, _legend_names(sources), compact,
+    layout = figure_layout(layouts, longest, _legend_names(sources), compact,
                      ranks=any(t[0]["x"] for t in traces))
     layout["title"]["text"] = titles[0]
     layout["shapes"] = frames[0]["layout"]["shapes"]
