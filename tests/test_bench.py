@@ -9,18 +9,9 @@ import benchmark
 from tr_core.decoding import DecodeResult
 from tr_core.stats import bootstrap_median_interval, compare, median_round, verdict
 from tr_core.tools import bench
-from tr_core.tools.bench import (
-    MethodRunner,
-    Record,
-    main,
-    measure_question,
-    pairwise,
-    predicted_vs_measured,
-    prediction_table,
-    question_contexts,
-    round_orders,
-    speedup_on,
-)
+from tr_core.tools.bench import MethodRunner, main, measure_question, question_contexts, round_orders
+from tr_core.tools.report import prediction_table
+from tr_core.tools.results import Record, pairwise, predicted_vs_measured, speedup_on
 
 # The keys of results.json as the benchmark wrote them before it measured in rounds (a run of that code on the tiny
 # model of test_bench_writes_tables_and_results): every one must stay, with its meaning.

@@ -6,7 +6,7 @@
   on a preallocated KV cache (``kv``);
 - what a step of N tokens costs: ``context_curve(model, context)``, t(N) measured here (``calibrate``).
 
-The rest of ``tr_core`` imports from this package only, never from its modules.
+The algorithm (``tr_core``'s top-level modules) imports from this package only, never from its modules.
 """
 
 from importlib import import_module

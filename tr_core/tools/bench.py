@@ -58,29 +58,22 @@ from ..speed.kernels import mode_dtype
 from ..speed.layouts import cpu_name
 from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, compare, median_round
 from ..stats import first_difference as first_difference_at
+from .report import report
+from .results import (
+    Record,
+    pairwise,
+    predicted_vs_measured,
+    ratios,
+    round_spread_pct,
+    speedup_on,
+    summarize,
+    temperature_summary,
+    through_run_sizes,
+)
 
 ALL_METHODS = ("plain", "pld", "suffix", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic", "tr-plus")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
 DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
-
-
-@dataclass
-class Record:
-    """One method on one question: its median round (``seconds`` and everything else from that round), and every
-    round's time."""
-    question_id: int
-    category: str
-    method: str
-    tokens: int
-    steps: int
-    seconds: float
-    identical: bool
-    accepted_lengths: list[int]
-    forward_ms: float
-    overhead_ms: float
-    first_difference: dict | None = None
-    round_seconds: list[float] = field(default_factory=list)
-    draft_nodes: int = 0  # draft nodes verified over the median round's steps (root not counted)
 
 
 @dataclass
@@ -209,161 +202,6 @@ def first_difference(engine: Engine, ids: list[int], plain: list[int], other: li
     return out
 
 
-# --- speedups with intervals ---------------------------------------------------------------------------------------
-
-def ratios(records: Sequence[Record], against: Sequence[Record]) -> list[float]:
-    """Per question, a method's tokens/s over another's on the same question (``records``' order)."""
-    base = {r.question_id: r.tokens / r.seconds for r in against}
-    return [r.tokens / r.seconds / base[r.question_id] for r in records]
-
-
-def pairwise(records: dict[str, list[Record]], categories: Sequence[str]) -> list[dict]:
-    """Every pair of methods other than plain, each later one in ``records`` against each earlier one: the median
-    ratio of their tokens/s per question, with its interval and verdict, overall and per category."""
-    names = [n for n in records if n != "plain"]
-    pairs = []
-    for i, against in enumerate(names):
-        for name in names[i + 1:]:
-            entry = {"method": name, "against": against, "questions": len(records[name]),
-                     **compare(ratios(records[name], records[against])), "by_category": {}}
-            for c in categories:
-                mine = [r for r in records[name] if r.category == c]
-                if mine:
-                    entry["by_category"][c] = {"questions": len(mine), **compare(
-                        ratios(mine, [r for r in records[against] if r.category == c]))}
-            pairs.append(entry)
-    return pairs
-
-
-def predicted_vs_measured(entry: dict, plain: dict) -> dict:
-    """A fitted tree's prediction next to what was measured: the prediction is per step (expected accepted tokens
-    over the calibrated t(N)), so it is set against the steps' own speedup, and, times plain's measured tokens/s,
-    against the end-to-end tokens/s (which also carry each question's prefill). Errors in % of the measured."""
-    predicted_tps = entry["predicted_speedup"] * plain["tokens_per_s"]
-    return {"predicted_tokens_per_s": round(predicted_tps, 3),
-            "predicted_tokens_per_s_error_pct": round(100 * (predicted_tps / entry["tokens_per_s"] - 1), 1),
-            "predicted_steps_error_pct": round(100 * (entry["predicted_speedup"] / entry["steps_speedup"] - 1), 1),
-            **({"predicted_through_run_steps_error_pct": round(
-                100 * (entry["predicted_speedup_through_run"] / entry["steps_speedup"] - 1), 1)}
-               if "predicted_speedup_through_run" in entry else {})}
-
-
-def summarize(records: list[Record], plain_tps: dict[int, float]) -> dict:
-    tps = [r.tokens / r.seconds for r in records]
-    base = [plain_tps[r.question_id] for r in records]
-    return {
-        "tokens_per_s": round(statistics.mean(tps), 3),
-        "speedup": round(statistics.mean(tps) / statistics.mean(base), 4),
-        "mean_accepted_tokens": round(sum(r.tokens for r in records) / sum(r.steps for r in records), 4),
-        "mean_draft_nodes": round(sum(r.draft_nodes for r in records) / sum(r.steps for r in records), 3),
-        "identical": sum(r.identical for r in records),
-        "questions": len(records),
-        "forward_ms_per_step": round(sum(r.forward_ms for r in records) / sum(r.steps for r in records), 3),
-        "overhead_ms_per_step": round(sum(r.overhead_ms for r in records) / sum(r.steps for r in records), 3),
-        # where the time went: the decoding steps per generated token, and what each question spent outside its
-        # steps (the prompt's prefill, which every method pays alike, and a drafter's seeding from it)
-        "step_ms_per_token": round(
-            sum(r.forward_ms + r.overhead_ms for r in records) / sum(r.tokens for r in records), 3),
-        "outside_steps_s_per_question": round(statistics.mean(
-            r.seconds - (r.forward_ms + r.overhead_ms) / 1e3 for r in records), 4),
-    }
-
-
-def interval_text(s: dict) -> str:
-    """``1.23x [1.10, 1.35]``: a median speedup and its 95% interval (``1.23x (1 question)`` without one)."""
-    ci = s["speedup_ci95"]
-    return f"{s['speedup_median']:.2f}x " + (f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "(1 question)")
-
-
-def markdown_table(results: dict, category: str | None = None) -> str:
-    rows = ["| method | tokens/s | speedup: median [95% interval] | vs plain | speedup of means | "
-            "mean accepted tokens | draft nodes per step | identical to plain | overhead ms/step |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for name, m in results["methods"].items():
-        s = m if category is None else m["by_category"].get(category)
-        if s:
-            rows.append(f"| {name} | {s['tokens_per_s']:.2f} | {interval_text(s)} | "
-                        f"{'(baseline)' if name == 'plain' else s['verdict']} | {s['speedup']:.2f}x | "
-                        f"{s['mean_accepted_tokens']:.2f} | {s.get('mean_draft_nodes', 0):.1f} | "
-                        f"{s['identical']}/{s['questions']} | "
-                        f"{s['overhead_ms_per_step']:.2f} |")
-    return "\n".join(rows)
-
-
-def pairwise_table(pairs: list[dict]) -> str:
-    rows = ["| method | against | tokens/s ratio: median [95% interval] | verdict |", "|---|---|---|---|"]
-    rows += [f"| {p['method']} | {p['against']} | {interval_text(p)} | {p['verdict']} |" for p in pairs]
-    return "\n".join(rows)
-
-
-def prediction_table(results: dict) -> str:
-    """The fitted trees' predictions beside the measurements, with the two halves of a prediction apart: the tokens a
-    step adds (MAT) and what a step costs over a plain step (predicted: t(N) / t(1) of the calibration; measured: the
-    steps' forward + overhead over plain's)."""
-    plain = results["methods"]["plain"]
-    plain_step = plain["forward_ms_per_step"] + plain["overhead_ms_per_step"]
-    rows = ["| method | nodes | predicted MAT | measured MAT | predicted step cost | measured step cost | "
-            "predicted speedup (steps) | measured speedup (steps) | error | predicted tokens/s | measured tokens/s | "
-            "error | measured speedup (median) | predicted with t(N) through the run (steps) | error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for n, m in results["methods"].items():
-        if "predicted_speedup" not in m:
-            continue
-        cost = m["predicted_mean_accepted_tokens"] / m["predicted_speedup"]
-        measured_cost = (m["forward_ms_per_step"] + m["overhead_ms_per_step"]) / plain_step
-        rows.append(f"| {n} | {m['tree_nodes']} | {m['predicted_mean_accepted_tokens']:.2f} | "
-                    f"{m['mean_accepted_tokens']:.2f} | {cost:.2f}x | {measured_cost:.2f}x | "
-                    f"{m['predicted_speedup']:.2f}x | {m['steps_speedup']:.2f}x | "
-                    f"{m['predicted_steps_error_pct']:+.0f}% | "
-                    f"{m['predicted_tokens_per_s']:.2f} | {m['tokens_per_s']:.2f} | "
-                    f"{m['predicted_tokens_per_s_error_pct']:+.0f}% | {interval_text(m)} | " + (
-                        f"{m['predicted_speedup_through_run']:.2f}x | "
-                        f"{m['predicted_through_run_steps_error_pct']:+.0f}% |"
-                        if "predicted_speedup_through_run" in m else "- | - |"))
-    return "\n".join(rows)
-
-
-def through_run_sizes(tree_sizes: list[int], curve: dict[int, float]) -> tuple[int, ...]:
-    """The sizes t(N) is sampled at through a run: one token, each fitted tree's size, and the calibrated sizes in
-    between (so that the curve interpolates as before).
-
-    >>> through_run_sizes([4, 2], {1: 1, 2: 1, 3: 1, 4: 1, 6: 1, 8: 1})
-    (1, 2, 3, 4)
-    """
-    top = max(tree_sizes, default=1)
-    return tuple(sorted({1, *tree_sizes, *(n for n in curve if n <= top)}))
-
-
-def speedup_on(speedup: float, nodes: int, fitted_on: dict[int, float], other: dict[int, float]) -> float:
-    """A fitted tree's predicted speedup (expected tokens per step over t(N) / t(1)) with t(N) from ``other`` in place
-    of the curve it was fitted on: the expected tokens stay, the step cost changes.
-
-    >>> speedup_on(1.3, 4, {1: 20.0, 4: 22.0}, {1: 19.0, 4: 23.75})
-    1.144
-    """
-    cost_then = interpolate(fitted_on, nodes) / interpolate(fitted_on, 1)
-    return round(speedup * cost_then / (interpolate(other, nodes) / interpolate(other, 1)), 6)
-
-
-def drift_line(before: dict, after: dict) -> str:
-    """How the calibration moved during the run: t(N) / t(1) before and after, for a few N.
-
-    >>> drift_line({1: 10.0, 4: 11.0, 8: 15.0}, {1: 12.0, 4: 14.4, 8: 18.0})
-    't(N) / t(1), measured before the run -> after it: 4: 1.10 -> 1.20, 8: 1.50 -> 1.50; t(1) 10.0 -> 12.0 ms'
-    """
-    one_b, one_a = before[min(before)], after[min(after)]
-    parts = [f"{n}: {before[n] / one_b:.2f} -> {after[n] / one_a:.2f}"
-             for n in (2, 4, 8, 16) if n in before and n in after]
-    return (f"t(N) / t(1), measured before the run -> after it: {', '.join(parts)}; "
-            f"t(1) {one_b:.1f} -> {one_a:.1f} ms")
-
-
-def histogram(records: list[Record]) -> str:
-    counts = Counter(n for r in records for n in r.accepted_lengths)
-    total = sum(counts.values())
-    return "  ".join(f"{n}:{100 * counts[n] / total:.0f}%" for n in sorted(counts))
-
-
 def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentParser:
     """The benchmark's options (``benchmark.py`` adds its own to them)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -407,29 +245,6 @@ def parse_temperatures(text: str | None) -> list[float | None]:
     return values
 
 
-def temperature_summary(runners: Sequence[MethodRunner]) -> dict:
-    """One temperature's result per method: the median per-question speedup over plain (with its interval), mean
-    accepted tokens (tokens per pass) and how many outputs equal plain's at the same temperature and seed."""
-    plain = next(r for r in runners if r.name == "plain")
-    plain_tps = {r.question_id: r.tokens / r.seconds for r in plain.records}
-    out = {}
-    for r in runners:
-        entry = summarize(r.records, plain_tps)
-        out[r.name] = {**compare(ratios(r.records, plain.records)),
-                       **{k: entry[k] for k in ("mean_accepted_tokens", "identical", "questions", "tokens_per_s")}}
-    return out
-
-
-def temperature_table(by_temperature: dict) -> str:
-    """The report's table: one row per temperature and method."""
-    rows = ["| temperature | method | speedup: median [95% interval] | mean accepted tokens | identical to plain |",
-            "|---|---|---|---|---|"]
-    rows += [f"| {t} | {name} | {interval_text(m)} | {m['mean_accepted_tokens']:.2f} | "
-             f"{m['identical']}/{m['questions']} |" for t, entry in by_temperature.items()
-             for name, m in entry["methods"].items()]
-    return "\n".join(rows)
-
-
 def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids: list[int], base: Engine,
            ids: list[int]) -> Record:
     """A method's record of one question from its rounds: the median round, every round's time, and whether every
@@ -441,13 +256,6 @@ def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids:
                   sum(e.overhead_ms for e in res.events),
                   None if differs is None else first_difference(base, ids, plain_ids, differs),
                   [round(r.elapsed_s, 4) for r in rounds], sum(len(e.tree_tokens) - 1 for e in res.events))
-
-
-def round_spread_pct(records: list[Record]) -> float:
-    """How far a method's rounds of one question lay apart, (slowest - fastest) / median, median over questions in
-    %: the drift that the rounds were there to absorb."""
-    return round(100 * statistics.median((max(r.round_seconds) - min(r.round_seconds)) / statistics.median(
-        r.round_seconds) for r in records), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,69 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}")
     return 0
-
-
-def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace) -> str:
-    """report.md: the speedup tables (overall, each category, each pair of methods), where the time went, the fitted
-    trees' predictions against what was measured, accepted lengths and first differences from plain."""
-    n = results["config"]["questions"]
-    lines = [f"# Spec-Bench, {n} questions, {args.max_new_tokens} new tokens, mode {args.mode}, "
-              f"{args.rounds} round(s)", "",
-              f"Each question decoded {args.rounds} time(s) by every method, the methods alternated in each round and "
-              "the order rotated between rounds; a method's time on a question is its median round. Speedup: the "
-              "median over questions of the method's tokens/s over plain's on the same question, with a 95% "
-              f"bootstrap interval over the questions ({BOOTSTRAP['resamples']} resamples); \"faster\" or "
-              "\"slower\" only where the interval excludes 1, and no verdict from fewer than "
-              f"{MIN_QUESTIONS_FOR_VERDICT} questions. \"speedup of means\": mean tokens/s over plain's mean. "
-              "Token Recycling starts every round of a question from the same matrix (carried from the question "
-              "before).", "", "## overall", markdown_table(results)]
-    for c in dict.fromkeys(c for m in results["methods"].values() for c in m["by_category"]):
-        lines += ["", f"## {c}", markdown_table(results, c)]
-    if results["pairwise"]:
-        lines += ["", "## method against method (overall)", pairwise_table(results["pairwise"])]
-    lines += ["", "## rounds: how far a method's rounds of one question lay apart (median over questions)"]
-    lines += [f"- {name}: {m['round_spread_pct']:.1f}%" for name, m in results["methods"].items()]
-    plain_step = (results["methods"]["plain"]["forward_ms_per_step"]
-                  + results["methods"]["plain"]["overhead_ms_per_step"])
-    lines += ["", f"## per-step work outside the model forward, as a share of one plain step ({plain_step:.1f} ms)"]
-    lines += [f"- {n}: {m['overhead_ms_per_step']:.2f} ms ({100 * m['overhead_ms_per_step'] / plain_step:.1f}%)"
-               for n, m in results["methods"].items()]
-    lines += ["", "## where the time went (steps only, then the whole question with its prefill)",
-               "| method | forward ms/step | overhead ms/step | mean accepted tokens | step ms per token | "
-               "speedup of the steps | s per question outside steps | speedup of means |",
-               "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {n} | {m['forward_ms_per_step']:.1f} | {m['overhead_ms_per_step']:.2f} | "
-               f"{m['mean_accepted_tokens']:.2f} | {m['step_ms_per_token']:.1f} | "
-               f"{m['steps_speedup']:.2f}x | {m['outside_steps_s_per_question']:.2f} | "
-               f"{m['speedup']:.2f}x |" for n, m in results["methods"].items()]
-    if any("predicted_speedup" in m for m in results["methods"].values()):
-        lines += ["", "## fitted trees: predicted (acceptance statistics + t(N)) vs measured",
-                   "The prediction is per step: it is set against the steps' own speedup, and, times plain's measured "
-                   "tokens/s, against the measured tokens/s, which also carry each question's prefill. Error: "
-                   "predicted / measured - 1. Step cost: a step's time over a plain step's. The prediction is made "
-                   "from t(N) measured just before the run (what the engines fitted their trees on); the last two "
-                   "columns put the same expected tokens over t(N) averaged over calibrations through the run "
-                   f"({results['config'].get('t_n_calibrations_through_run', 0)}: before, every "
-                   f"{args.recalibrate_every} questions, after), which separates the model's error from the "
-                   "machine's drift.", "",
-                   prediction_table(results)]
-        if results["config"].get("t_n_ms_after_run"):
-            lines += ["", drift_line({int(k): v for k, v in results["config"]["t_n_ms"].items()},
-                                     {int(k): v for k, v in results["config"]["t_n_ms_after_run"].items()})]
-    lines += ["", "## accepted tokens per step (share of steps)"]
-    lines += [f"- {r.name}: {histogram(r.records)}" for r in runners]
-    if "temperatures" in results:
-        lines += ["", f"## per temperature (sampled with seed {args.seed}; 0: greedy)",
-                  "Speedup: the median over questions of tokens/s over plain's at the same temperature; identical: "
-                  "outputs equal to plain sampling's with the same seed. The sections above are temperature "
-                  f"{next(iter(results['temperatures']))}'s.", "", temperature_table(results["temperatures"])]
-    diffs = [(name, d) for name, m in results["methods"].items() for d in m["first_differences"]]
-    if diffs:
-        lines += ["", "## first differences from plain (logits at the first differing position)"]
-        lines += [f"- {name} q{d['question_id']} @ {d['position']}: plain {d.get('plain_token')} "
-                   f"({d.get('plain_logit')}) vs {d.get('method_token')} ({d.get('method_logit')}), gap {d.get('gap')}"
-                   for name, d in diffs]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
