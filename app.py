@@ -15,42 +15,57 @@ import argparse
 import os
 import time
 from contextlib import contextmanager
-from html import escape
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
-import plotly.graph_objects as go  # noqa: E402
 
 from tr_core.events import Rates  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
-from tr_core.speed.kernels import MODES  # noqa: E402
+from tr_core.speed import MODES  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS  # noqa: E402
 from ui.explain import build_tab as explain_tab
+from ui.frames import (  # noqa: E402
+    LIVE_OUTPUTS,
+    RACE_OUTPUTS,
+    budget_view,
+    by_name,
+    live_frame,
+    placeholder,
+    race_chart,
+    race_frame,
+    step_slider,
+)
 from ui.inputs import MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
-from ui.page import BUDGET_PLACEHOLDER, CSS, INTRO, MATRIX_PLACEHOLDER, RACE_INTRO, RACE_PLACEHOLDER, TREE_PLACEHOLDER  # noqa: E402
-from ui.records import RaceRun, decoding_speed, ms_per_step, race_summary  # noqa: E402
+from ui.page import (  # noqa: E402
+    BUDGET_PLACEHOLDER,
+    CSS,
+    INTRO,
+    MATRIX_PLACEHOLDER,
+    NARROW_PX,
+    RACE_INTRO,
+    RACE_PLACEHOLDER,
+    STEPS_PLACEHOLDER,
+    TREE_PLACEHOLDER,
+    WATCH_TREE,
+)
+from ui.records import race_summary  # noqa: E402
 from ui.render import (  # noqa: E402
     ANSWER_LEGEND,
     answer_html,
     counters_html,
-    finished_status,
     history_html,
     lanes_html,
-    method_label,
     notice_html,
-    race_table_html,
     race_verdict,
 )
-from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, RaceProgress, Snapshot, Stoppable  # noqa: E402
+from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
 from ui.settings import DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
-from visualize import budget_figure, matrix_figure, race_figure, tree_figure  # noqa: E402
-from visualize.charts import step_latency_figure  # noqa: E402
-from visualize.palette import wrap  # noqa: E402
+from visualize import matrix_figure, tree_figure  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -70,18 +85,13 @@ DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
 # pays here. Where no tree pays (a small CPU), it is empty and the run is plain decoding: the page then says so and
 # offers WATCH_TREE, a tree to watch at work.
 DEFAULT_TREE = "auto"
-WATCH_TREE = "small"
 # exact: fp32; fast: a separate copy of the model, loaded on first use, in the half-precision format measured fastest
 # here among the row-invariant ones (tr_core.speed.layouts); in both every method's output equals plain decoding's in
 # that mode, token for token (tr_core/speed/attention.py); the status says which format and whether this CPU allowed
 # invariance
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
-LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
-                "notice", "step_plot", "watch")
-RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history", "race_step_plot")
 SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id", "temperature", "top_p", "sample_top_k",
           "seed")  # a setting in both tabs, kept alike
-NARROW_PX = 700  # a page narrower than this (a phone) gets the figures' compact layout
 SAMPLING = ("temperature", "top_p", "sample_top_k", "seed")  # the last inputs of /live and /race
 
 TITLE = "# ♻️ Token Recycling, live"
@@ -89,10 +99,6 @@ SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a
            "passes, and the answer stays exactly plain decoding's (greedy, or sampled with the same seed). **Live** "
            "decodes your prompt step by step, **Race** measures the speedup on this machine, **How it works** walks "
            "through the method in nine pages.")
-CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to what a forward pass costs here, and "
-              "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
-              "decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the "
-              f"{WATCH_TREE} tree.")
 RACE_ROUNDS_NOTE = (f"Each method runs **{RACE_ROUNDS} times, interleaved**: a round runs every method once, in an "
                     "order rotated each round, and the table gives the median with its range (min–max). Every run of "
                     "a matrix method starts from a fresh copy of your matrix: nothing a run teaches carries over to "
@@ -120,11 +126,6 @@ APP_CSS = """
 """
 
 
-def _out(names: tuple[str, ...], **values) -> tuple:
-    """One update per output in ``names`` order; an output not given stays as it is."""
-    return tuple(values.get(name, gr.skip()) for name in names)
-
-
 def _shown_errors(stream, failed):
     """``stream``'s updates; a failure ends it with ``failed(message)`` (the updates that show the message in the
     page, in plain sight: no toast or error badge over it) and, for an API caller, the same message as the error."""
@@ -134,70 +135,6 @@ def _shown_errors(stream, failed):
         message = as_user_error(e).message
         yield failed(message)
         raise gr.Error(message, visible=False, print_exception=False) from None
-
-
-def placeholder(text: str) -> go.Figure:
-    """An empty figure that says what will be drawn there."""
-    fig = go.Figure().add_annotation(text=text, showarrow=False, font=dict(size=14, color="#777777"))
-    return fig.update_layout(height=220, xaxis_visible=False, yaxis_visible=False, plot_bgcolor="white",
-                             margin=dict(l=20, r=20, t=20, b=20))
-
-
-STEPS_PLACEHOLDER = "Each decoding step's time and the tokens it added appear here, beside plain decoding's."
-
-
-def _step_slider(n: int, value: int | None = None) -> gr.Slider:
-    return gr.Slider(minimum=0, maximum=max(1, n - 1), value=n - 1 if value is None else value, step=1,
-                     interactive=n > 1, label=f"Decoding step ({n} in this run): drag to see any")
-
-
-def budget_view(event) -> go.Figure:
-    """The step's tree budget (expected tokens/s against tree size), or what the chart would show."""
-    return budget_figure(event) if event.budget is not None else placeholder(BUDGET_PLACEHOLDER)
-
-
-def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) -> tuple:
-    """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; on the
-    final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
-    last = snap.events[-1] if snap.events else None
-    status = (finished_status(last, snap.stopped) if snap.done else
-              "decoded; now measuring plain decoding on your prompt, for comparison…" if snap.measuring_baseline
-              else "running")
-    values = dict(answer=answer_html(snap.events, hidden=run.hidden), session=session,
-                  counters=counters_html(snap.rates, status, snap.note, snap.baseline, decoding_speed(snap.events)))
-    if (figures or snap.done) and last:
-        values.update(tree_plot=tree_figure(last, run.token_text, compact=session.narrow),
-                      matrix_plot=matrix_figure(last, run.token_text, compact=session.narrow),
-                      step=_step_slider(len(snap.events)), budget_plot=budget_view(last))
-    if snap.done:
-        baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
-        values.update(history=history_html(session.history), watch=gr.Button(visible=snap.drafted_nothing),
-                      notice=notice_html(CANNOT_PAY, "callout") if snap.drafted_nothing else "",
-                      step_plot=step_latency_figure(snap.events, baseline_ms=baseline_ms) if last else gr.skip())
-    return _out(LIVE_OUTPUTS, **values)
-
-
-def race_step_plot(runs: dict[str, RaceRun]) -> go.Figure:
-    """Token Recycling's (else the first method's) decoding steps in the race, against plain decoding's ms per
-    token."""
-    method = "tr" if "tr" in runs else next(m for m in runs if m != "plain")
-    return step_latency_figure(runs[method].events, baseline_ms=ms_per_step(runs["plain"].events),
-                               title=f"{method_label(method)}: each decoding step of its median round, against "
-                                     "plain decoding")
-
-
-def race_frame(progress: RaceProgress, race: Race, session: Session) -> tuple:
-    """The Race tab while measuring, and the verdict, the table and the step figure once every round is measured."""
-    tree = race.settings.tree
-    if not progress.done:
-        return _out(RACE_OUTPUTS, race_status=progress.status, lanes=lanes_html(progress.runs, None, tree, race.hidden))
-    if progress.stopped:
-        return _out(RACE_OUTPUTS, race_status=progress.status)
-    verdict = race_verdict(race_summary(progress.rounds))
-    table = race_table_html(progress.rounds, race.decode, tree)
-    table += f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}.</div>'
-    return _out(RACE_OUTPUTS, race_status=f"{verdict} Replaying the median rounds side by side…", table=table,
-                session=session, history=history_html(session.history), race_step_plot=race_step_plot(progress.runs))
 
 
 class Handlers:
@@ -233,16 +170,16 @@ class Handlers:
         together), then plain decoding's speed for comparison and the whole final state."""
         values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method, None, temperature, top_p,
                   sample_top_k, seed)
-        yield from _shown_errors(self._live(values, session, request), lambda message: _out(
+        yield from _shown_errors(self._live(values, session, request), lambda message: by_name(
             LIVE_OUTPUTS, notice=notice_html(message), counters=counters_html(Rates(), "not run: see the message")))
 
     def _live(self, values: tuple, session: Session, request: gr.Request):
         run = LiveRun(session, self.models, self._settings(*values))
-        yield _out(LIVE_OUTPUTS, notice="", watch=gr.Button(visible=False), counters=counters_html(
+        yield by_name(LIVE_OUTPUTS, notice="", watch=gr.Button(visible=False), counters=counters_html(
             Rates(), "loading the model (once per process and mode)…" if run.needs_loading else "setting up…"))
         run.prepare()
-        yield _out(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
-                   counters=counters_html(Rates(), "running", run.note), step=_step_slider(1, 0))
+        yield by_name(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
+                   counters=counters_html(Rates(), "running", run.note), step=step_slider(1, 0))
         text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
         with self._stoppable(request, run):
             for snap in run.snapshots():
@@ -274,21 +211,21 @@ class Handlers:
         if n < 2:
             return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         start = 0 if int(index) >= n - 1 else int(index)
-        return (gr.Timer(active=True), _step_slider(n, start), *self.view_step(start, session))
+        return (gr.Timer(active=True), step_slider(n, start), *self.view_step(start, session))
 
     @user_errors
     def tick(self, index: float, session: Session):
         n = len(session.live.events) if session.live else 0
         if int(index) + 1 >= n:
             return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return (gr.Timer(), _step_slider(n, int(index) + 1), *self.view_step(int(index) + 1, session))
+        return (gr.Timer(), step_slider(n, int(index) + 1), *self.view_step(int(index) + 1, session))
 
     def reset(self):
         """A fresh session: the matrix goes back to the shipped hot start, the history is cleared."""
         session = Session()
         return (session, answer_html([], placeholder="Reset: your matrix starts again from the shipped hot start."),
                 counters_html(Rates()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
-                placeholder(BUDGET_PLACEHOLDER), _step_slider(1, 0), history_html(session.history), "",
+                placeholder(BUDGET_PLACEHOLDER), step_slider(1, 0), history_html(session.history), "",
                 placeholder(STEPS_PLACEHOLDER), gr.Button(visible=False))
 
     @user_errors
@@ -298,12 +235,12 @@ class Handlers:
         table come out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
         values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, "tr", methods, temperature, top_p,
                   sample_top_k, seed)
-        yield from _shown_errors(self._race(values, session, request), lambda message: _out(
+        yield from _shown_errors(self._race(values, session, request), lambda message: by_name(
             RACE_OUTPUTS, race_status=f"Not run: {message}"))
 
     def _race(self, values: tuple, session: Session, request: gr.Request):
         race = Race(session, self.models, self._settings(*values))
-        yield _out(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
+        yield by_name(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
                    lanes=lanes_html(dict.fromkeys(race.methods), None, values[2]), table="",
                    race_plot=placeholder(RACE_PLACEHOLDER), race_step_plot=placeholder(STEPS_PLACEHOLDER))
         race.prepare()
@@ -350,21 +287,6 @@ class Handlers:
         """This session's latest live run and race, every step event as plain data (as the command line's
         ``--trace`` writes them): built here from the session, never read from a file."""
         return session.trace()
-
-
-def race_chart(race, at_s: float | None = None):
-    """The race figure of each method's median round, every step finished ``at_s`` seconds into its run (``None``:
-    all), on the axes of the whole race so that the lines grow instead of the axes; each method's legend gives its
-    median tokens/s over the rounds and their range."""
-    runs = race.runs
-    fig = race_figure({m: [e for e in r.events if at_s is None or e.elapsed_s <= at_s] for m, r in runs.items()})
-    for trace, (method, summary) in zip(fig.data, race_summary(race.rounds).items()):
-        trace.name = f"{method}: {summary.tokens_per_s.shown()} tok/s"
-    end = max(r.elapsed_s for r in runs.values())
-    tokens = max(r.events[-1].total_tokens for r in runs.values())
-    return (fig.update_xaxes(range=[0, end * 1.03]).update_yaxes(range=[0, tokens * 1.05])
-            .update_layout(title=wrap(f"tokens against time: each method's median round of "
-                                      f"{len(race.rounds['plain'])} (legend: median tokens/s, range)", 40)))
 
 
 def example_prompts() -> tuple[list[str], list[str]]:
@@ -550,15 +472,15 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
             gr.Markdown(f"{TITLE}\n{SUMMARY}")
             with gr.Accordion("What Token Recycling does", open=False):
                 gr.Markdown(INTRO.split("\n", 1)[1])
+        # the browser says once whether its screen is narrow (a phone): every tab draws its figures for it
+        narrow = gr.Checkbox(False, visible=False, elem_id="narrow")
         with gr.Tabs():
             with gr.Tab("Live", id="live", elem_id="live-tab") as live_tab_:
                 live = live_tab(choices, example_labels, allow_local_models)
             with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab_:
                 racing = race_tab(choices, example_labels, allow_local_models)
-            explain_tab()  # "How it works": replays a recorded trace, needs no model
+            explain_tab(narrow=narrow)  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
-        # the browser says whether its screen is narrow (a phone); the session keeps it for the figures' layout
-        narrow = gr.Checkbox(False, visible=False, elem_id="narrow")
         demo.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", api_visibility="private")
         narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
         wire_shared(live, racing, examples, live_tab_, race_tab_)

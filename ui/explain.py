@@ -17,8 +17,7 @@ from visualize.lesson_fig import is_empty
 from visualize.trace import TokenNamer
 
 from .lesson import PAGES, RUN_NAMES, Lesson, Trace, load_lesson, page_figure, page_text
-
-NARROW_PX = 700  # a window narrower than this (a phone) gets the figures' compact layout, as in the Live tab
+from .page import NARROW_PX
 
 
 def clamp(index: int) -> int:
@@ -166,9 +165,11 @@ def page_updates(lesson: Lesson, index: int, narrow: bool = False) -> tuple:
             *(gr.Button(variant="primary" if n == i else "secondary") for n in range(len(PAGES))))
 
 
-def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
+def build_tab(lesson: Lesson | None = None, narrow=None) -> ExplainTab | None:
     """The "How it works" tab, with its events; call it inside ``gr.Tabs()`` of a ``gr.Blocks``. Needs no model:
-    everything is drawn from the recorded traces. Returns its components (``None`` when the traces are missing)."""
+    everything is drawn from the recorded traces. ``narrow``: the page's hidden checkbox that says whether the window
+    is narrow (a phone; ``app.py`` sets it once for every tab), else the tab makes and sets its own. Returns its
+    components (``None`` when the traces are missing)."""
     import gradio as gr
 
     with gr.Tab("How it works", id="explain", elem_id="explain-tab"):
@@ -183,7 +184,9 @@ def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
         gr.Markdown(EXPLAIN_INTRO.format(n=len(PAGES), model=meta["model"], prompt=meta["prompt"],
                                          tree=meta["tree"], k=meta["top_k"]), elem_id="explain-intro")
         index = gr.State(0)
-        narrow = gr.Checkbox(False, visible=False, elem_id="explain-narrow")
+        own_check = narrow is None
+        if own_check:
+            narrow = gr.Checkbox(False, visible=False, elem_id="explain-narrow")
         with gr.Row(elem_id="explain-nav"):
             back = gr.Button("← Previous", size="sm", scale=0, min_width=110, interactive=False,
                              elem_id="explain-prev")
@@ -222,7 +225,9 @@ def build_tab(lesson: Lesson | None = None) -> ExplainTab | None:
         for n, button in enumerate(pages):
             button.click(lambda small, n=n: page_updates(lesson, n, small), narrow, outputs, **quiet)
         # the browser says whether its window is narrow; the page shown (the first, on load) is drawn again for it
-        gr.context.Context.root_block.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", **quiet)
+        if own_check:
+            gr.context.Context.root_block.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}",
+                                               **quiet)
         narrow.change(lambda i, small: page_figure(lesson, i, small is True), [index, narrow], plot, **quiet)
         token.input(lambda q, name: explorer_html(lesson, q, name), [token, run], table, **quiet)
         run.input(switch_run, run, [token, table], **quiet)

@@ -60,3 +60,14 @@ CSS = """
 .tr-diff { font-size: 14px; margin: 6px 0; white-space: pre-wrap; }
 .tr-diff del { background: rgba(0, 0, 0, 0.08); } .tr-diff ins { background: rgba(213, 94, 0, 0.18); }
 """
+
+
+# a page narrower than this (a phone) gets the figures' compact layout: the one viewport check, for every tab
+NARROW_PX = 700
+STEPS_PLACEHOLDER = "Each decoding step's time and the tokens it added appear here, beside plain decoding's."
+# The tree to watch where the fitted tree is empty (no tree pays on this machine), and what the page then says
+WATCH_TREE = "small"
+CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to what a forward pass costs here, and "
+              "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
+              "decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the "
+              f"{WATCH_TREE} tree.")
