@@ -46,10 +46,9 @@ def machine_key(model: PreTrainedModel) -> str:
 
 
 # The context (prompt and answer so far, in tokens) t(N) is calibrated on and the tree fitted for, unless a caller
-# says otherwise. A tree step's extra cost grows with the context, faster than linearly: on the embedded model (fast
-# mode) t(6) - t(1) measured 6.9 ms over 128 cached tokens, 8.8 over 512 and 16.3 over 1,024. So a workload of many
-# contexts (the benchmark's questions) is fitted on t(N) averaged over its contexts (``context_curve``), not on t(N)
-# at their mean context.
+# says otherwise. A tree step's extra cost grows with the context, faster than linearly (docs/speed.md), so a
+# workload of many contexts (the benchmark's questions) is fitted on t(N) averaged over its contexts
+# (``context_curve``), not on t(N) at their mean context.
 DEFAULT_FIT_CONTEXT = 256
 # contexts t(N) is measured at when it is averaged over many; each context in between is interpolated linearly
 CONTEXT_GRID = (128, 256, 512, 1024, 2048)

@@ -41,10 +41,8 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 # between formats to the one earlier in ``FORMATS`` (fp32, then fp16, which keeps fp32 activations).
 TIE = 0.03
 FORMATS = ("fp32", "fp16", "bf16")
-# The format is chosen on the row counts up to this: plain decoding's one row and the trees a CPU verifies (the fitted
-# trees here have had 2-16 nodes). Over every timed count up to 81, bf16 won on an AVX-512 BF16 EPYC (linears of a
-# 16-row step 21 ms against 28 with fp16 weights) and the fast mode's whole one-token step went from 19 to 31 ms
-# (bf16 linears 16 ms against 10.5 for one row, and every other op in bf16 too): slower decoding for trees under ~12.
+# Without the method's expected tokens, the format is chosen on the row counts up to this: plain decoding's one row
+# and the trees a CPU verifies (why not all 81: docs/speed.md, "Measurements behind the choices")
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
 
@@ -162,9 +160,8 @@ DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear"}  # b
 
 
 # A row count may be computed as a larger one (zero rows added, then dropped): some matmuls are slower for 1 row
-# than for 2 (a matrix-vector product takes another code path than a matrix-matrix one; seen on an AMD EPYC: a
-# 576x576 layer 0.109 ms for 1 row at best, 0.060 for 2 rows as (W @ x^T)^T). A padded choice is named
-# "<layout>@<rows>"; it is considered up to twice the row count.
+# than for 2 (a matrix-vector product takes another code path than a matrix-matrix one; docs/speed.md). A padded
+# choice is named "<layout>@<rows>"; it is considered up to twice the row count.
 PAD = "@"
 
 
