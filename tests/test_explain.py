@@ -480,3 +480,17 @@ def test_the_tab_walks_through_every_page_without_a_model(no_model_app, tmp_path
         assert not errors, f"console errors: {errors}"
         browser.close()
     assert not models.loaded("")
+
+
+def test_the_pages_prose_is_data_one_file_a_page_paired_with_its_figure(tmp_path):
+    from ui.lesson import FIGURES, PAGES_DIR, load_pages
+    files = sorted(PAGES_DIR.glob("*.md"))
+    assert [f.read_text().splitlines()[0] for f in files] == [f"# {p.title}" for p in PAGES]
+    assert [p.figure for p in PAGES] == list(FIGURES)
+    for f in files[:-1]:  # a page missing: refused, not paired with the wrong figure
+        (tmp_path / f.name).write_text(f.read_text())
+    with pytest.raises(ValueError, match="8 pages"):
+        load_pages(tmp_path)
+    (tmp_path / files[-1].name).write_text("no title\n\ntext\n")
+    with pytest.raises(ValueError, match="title"):
+        load_pages(tmp_path)

@@ -361,150 +361,35 @@ def _tree_sizes(lesson: Lesson, compact: bool) -> go.Figure:
 
 KEY = TOKENS_PER_PASS  # the one name of the key number (tr_core.events)
 
-PAGES: list[Page] = [
-    Page("Why decoding is slow, and how guessing helps", """\
-A language model writes one **token** (a word or a piece of one) at a time. For each token it runs a **forward
-pass**: every weight of the model is read once, and out comes a score for every token of its vocabulary. The best
-one is written down, and the next pass starts. On the machine that recorded this run, one forward pass of {model}
-took about **{t1:.0f} ms**, and most of that time goes into reading the weights.
+def _row(lesson: Lesson, compact: bool) -> go.Figure:
+    return row_figure(lesson.event, lesson.hot.text, compact)
 
-A pass can also check *guesses*. Feed it a few guessed tokens after the text, and it handles them all at once,
-reading the weights only once: at every position it says which token it would itself have written there. That is
-**speculative decoding**: guess several tokens cheaply, check them all in one pass, keep the guesses up to the
-first one the model disagrees with, plus the model's own next token (the **bonus token**). The text comes out
-exactly as plain decoding would write it; only the number of passes drops.
 
-**Token Recycling** takes its guesses from a table of what the model predicted in earlier passes, at almost no
-cost. In the run recorded here (prompt: *{prompt}*), it wrote **{tokens} tokens in {steps} forward passes**, where
-plain decoding needs {tokens}: **{mat:.2f} tokens per forward pass (bonus token included)**, against 1 for plain
-decoding. Each pass is one **decoding step**. On the right, how many tokens each pass gave: {one_share:.0%} of the
-passes still gave only one, the others two or more. (Whether fewer passes also take less time depends on what the
-bigger passes cost: see page 8.)""", _hot_run),
-    Page("The adjacency matrix: what the model predicted before", """\
-Each pass scores all {vocab:,} tokens of the vocabulary, and plain decoding keeps only the best one. Token
-Recycling keeps the **top {k}**: for every token *t* of the vocabulary it remembers the {k} tokens the model
-most recently rated likeliest to come right after *t*. This table, one row per token and {k} columns ranked best
-first, is the **adjacency matrix**.
+def _retrieval(lesson: Lesson, compact: bool) -> go.Figure:
+    return retrieval_figure(lesson.event, compact)
 
-To guess how the text goes on, look up the row of the **last token written**. Pages 2 to 6 follow one decoding
-step of the recorded run, **decoding step {step}** (the steps are numbered from 0, one forward pass each), in the
-middle of the answer. So far the model has written *{so_far}*
 
-The last token is {root}, and its row, in the figure, lists what the model expected after {root} when it last saw
-it. Its first {first_guesses} (green) become the first guesses.
+# The pages' prose lives in ``ui/lesson_pages/`` (one Markdown file a page, in order: its first line the title, then
+# the text with {fields} from ``facts``); each page's figure is drawn by the function in the same place here.
+PAGES_DIR = Path(__file__).resolve().parent / "lesson_pages"
+FIGURES = (_hot_run, _row, _retrieval, _mask, _verification, _recycling, _hot_and_cold, _tree_sizes, _beyond_figure)
 
-A row never filled is empty (all zeros): guesses drawn from it are useless, and only cost the work of checking
-them.""", lambda lesson, compact: row_figure(lesson.event, lesson.hot.text, compact)),
-    Page("Retrieval: a tree of guesses, grown layer by layer", """\
-A single chain of guesses is fragile: once a guess is wrong, everything after it is wasted. So Token Recycling
-guesses a **draft tree**: several alternatives for the next token, and for each of them, alternatives for the
-token after.
 
-The tree grows **breadth first**. Layer 1 comes from the last token's row. For layer 2, each layer-1 token's own
-row is looked up, and its top candidates become its children; and so on. Which ranks each node takes is fixed in
-advance by a **template** (here `{tree}`: {nodes} nodes, the root and {guesses}, in {depth} layers), the same in
-every decoding step. The template is lopsided on purpose: the rank-0 guess is the one most often right, so it gets
-the most children and the deepest branch, and lower-ranked guesses get fewer. In the shipped statistics for the
-paper's tree, the rank-0 guess for the next token was accepted in {acc0:.0%} of decoding steps, the rank-1 guess in
-{acc1:.0%}, rank 2 in {acc2:.0%}.
+def load_pages(folder: Path = PAGES_DIR) -> list[Page]:
+    """The pages from their files, paired in order with ``FIGURES``."""
+    files = sorted(folder.glob("*.md"))
+    if len(files) != len(FIGURES):
+        raise ValueError(f"{folder} holds {len(files)} pages; the walkthrough draws {len(FIGURES)} figures")
+    pages = []
+    for path, figure in zip(files, FIGURES):
+        head, _, text = path.read_text().partition("\n\n")
+        if not head.startswith("# "):
+            raise ValueError(f"{path}: the first line must be the page's title ('# ...')")
+        pages.append(Page(head[2:], text.removesuffix("\n"), figure))
+    return pages
 
-Growing the tree takes one table look-up per layer and no model at all. Drag the slider below the figure to build
-it layer by layer; hover over a node to see whose row it came from.""",
-         lambda lesson, compact: retrieval_figure(lesson.event, compact)),
-    Page("One pass checks every branch: tree attention", """\
-The whole tree goes through the model in **one forward pass**, laid out as one sequence: node by node, layer by
-layer ({nodes} tokens here), after the text written so far.
 
-In an ordinary sequence every token sees all the tokens before it. But sibling guesses are alternatives, not a
-sentence: {sib1} and {sib2} are two guesses for the same place, and {pair}, read as one text, is neither
-branch. So the pass gets an **attention mask**: a node may look at the text so far, at itself and at its ancestors
-in the tree, and at nothing else; and its position (which the model reads along with the token) is the text's
-length plus its depth. Each branch then reads exactly as if it were the only continuation, and the model's output
-at every node is what it would be on that branch alone.
-
-In the figure, row *i* shows what node *i* may look at (the text so far is seen by all and not drawn). Dark blue
-cells belong to the path the model accepted (next page).""", _mask),
-    Page("Verification: keep what the model agrees with, plus one", """\
-After the pass, every node knows the model's own choice for the token after it. Start at the root and step to
-the child whose token is exactly that choice; repeat until no child matches. The nodes walked through form the
-**accepted path**: guesses the model would have written itself. The model's choice after the last accepted node
-is right by definition, so it is kept as well: the **bonus token**.
-
-In decoding step {step} the model accepted {accepted} ({n_accepted}, blue) and added the bonus token {bonus}
-(orange star): **{produced} from one forward pass**, the text {added}. {stopped}
-
-A pass always yields at least its bonus token, so Token Recycling never needs more passes than plain decoding, and
-every token it keeps is the model's own greedy choice: the text is the same.""",
-         _verification),
-    Page("Recycling: every guess refreshes the table", """\
-The pass has computed the model's scores for the next token at **every** node of the tree, the rejected guesses
-included. Verification only needed the best one at each node; Token Recycling keeps the top {k} and writes them
-into the row of that node's token, replacing what was there. That is the "recycling": candidates other methods
-throw away become the next decoding steps' guesses.
-
-Decoding step {step} rewrote {rows} (one per distinct token in its tree); {changed} of them gained candidates they
-did not hold before, and {rejected_rows} belong to tokens that were **not** accepted. Why keep rows of rejected
-guesses? A rejected guess was still a plausible token, likely to turn up soon, and its new row says what follows
-it in this very context. The paper compared the two choices: updating the rows of all draft tokens gave more
-tokens per forward pass than updating only the accepted ones.
-
-Left, the rows as the decoding step found them (its guesses came from here); right, the rows it wrote. Yellow
-cells are candidates that came in or dropped out; blue cells are the guesses on the accepted path (left) and the
-model's choices along it (right).""",
-         _recycling),
-    Page("Hot start and cold start", """\
-The matrix is kept from one request to the next, so what earlier answers taught it helps later ones. Starting
-from a matrix filled by earlier requests is a **hot start**; starting from an empty one is a **cold start** (then
-only the prompt's own tokens have rows, written while the model reads the prompt).
-
-Both runs in the figure decode the same prompt with the same tree; they were recorded, not simulated.
-
-- **Hot start** (the shipped matrix, filled from other prompts): {hot_tokens} tokens in {hot_steps} forward passes,
-  **{hot_mat:.2f} tokens per forward pass (bonus token included)**.
-- **Cold start**: {cold_tokens} tokens in {cold_steps} forward passes,
-  **{cold_mat:.2f} tokens per forward pass (bonus token included)**; {cold_first:.2f} in its first {n_cold} passes,
-  {cold_last:.2f} in its last {n_cold}, while its own passes filled the matrix.
-
-{same_text}.""", _hot_and_cold),
-    Page("What it costs", """\
-**Memory.** The matrix holds {vocab:,} × {k} token ids of 4 bytes each: {matrix_bytes:,} bytes,
-**{matrix_mib:.1f} MiB**, small beside the model's own weights (about 540 MB in fp32 for this 135M-parameter
-model). Building the tree is a few table look-ups, and rewriting rows reuses scores the pass computed anyway.
-
-**Time.** The real price is the bigger pass. On a datacenter GPU, checking a tree of about 80 tokens costs about
-as much as a one-token pass, and the paper uses an 81-node tree. On the small CPU that recorded this run it does
-not: a pass over the {tree_nodes}-node tree cost about {cost:.1f}× a one-token pass ({step_ms:.0f} ms), over
-{paper_nodes} nodes {cost81:.1f}× ({t81:.0f} ms).
-
-The figure weighs the two, tree size by tree size: the tokens per forward pass (bonus token included) a tree is
-expected to give (from how often each node of the paper's tree was accepted on other prompts, likeliest nodes
-first) against the measured cost of the pass. Their ratio, the predicted speedup, peaks at **{best_n} nodes**
-({best_speedup:.2f}×, {best_tokens:.2f} tokens per forward pass) on that machine; a tree the size of `{tree}` at
-{small_speedup:.2f}×, the paper's tree at {paper_speedup:.2f}×. The app's `auto` tree is chosen this way for each
-model and machine: the biggest tree is not the fastest everywhere.""", _tree_sizes),
-    Page("Beyond the paper: drafts from the context, and a tree grown where the matrix is sure", """\
-On a small CPU only a few draft nodes pay for themselves (page 8), and the paper's fixed template spends them the
-same way in every decoding step. This app adds methods of its own beside the paper's, each as exact as it (the
-same one-pass verification, so the same text as plain decoding):
-
-- **Token Recycling + context** (`tr-context`): when the text so far contains an earlier occurrence of its last
-  tokens, what followed that occurrence is grafted onto the matrix's tree as an extra branch. The branch and the
-  matrix tree share one node budget: a branch gets nodes in proportion to how often branches after matches of its
-  length were accepted.
-- **best-first tree** (`tr-dynamic`): the matrix also keeps each candidate's probability, and each decoding step's
-  tree grows towards the likeliest paths, instead of a fixed template.
-- **both** (`tr-plus`), and, as a third baseline beside Prompt Lookup, **Suffix decoding** (`suffix`): a small tree
-  of the continuations that most often followed the longest earlier match.
-
-{beyond_setting}:
-
-{beyond_table}
-
-{beyond_verdict} A draft node only pays where it is accepted often enough to cover what it adds to the pass; on
-this kind of machine that is a node or two, so the extensions' gains stay small. Pick them in the Live tab and in
-the race to see their trees: nodes copied from the context are diamonds on a green edge, best-first nodes
-squares.""", _beyond_figure),
-]
+PAGES: list[Page] = load_pages()
 
 
 def page_text(lesson: Lesson, index: int) -> str:
