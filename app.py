@@ -12,6 +12,8 @@ every core.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import os
 import time
 from contextlib import contextmanager
@@ -28,15 +30,19 @@ from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS  # noqa: E402
 from ui.explain import build_tab as explain_tab
 from ui.frames import (  # noqa: E402
+    AFTER_LIVE_OUTPUTS,
     LIVE_OUTPUTS,
     RACE_OUTPUTS,
-    budget_view,
-    by_name,
+    REPLAY_OUTPUTS,
+    RESET_OUTPUTS,
+    STEP_OUTPUTS,
+    after_live,
     live_frame,
     placeholder,
     race_chart,
     race_frame,
     step_slider,
+    step_view,
 )
 from ui.inputs import MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id, check_step  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
@@ -64,8 +70,7 @@ from ui.render import (  # noqa: E402
 )
 from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, Stoppable  # noqa: E402
 from ui.session import Session  # noqa: E402
-from ui.settings import DEFAULT_RACE, RACE_CHOICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
-from visualize import matrix_figure, tree_figure  # noqa: E402
+from ui.settings import DEFAULT_RACE, RACE_CHOICES, RACE_MATRICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -92,7 +97,6 @@ DEFAULT_TREE = "auto"
 MODE_LABELS = {"exact": "exact (fp32)", "fast": "fast (half precision, the format measured fastest here)"}
 SHARED = ("prompt", "tree", "max_new", "top_k", "mode", "hot", "model_id", "temperature", "top_p", "sample_top_k",
           "seed")  # a setting in both tabs, kept alike
-SAMPLING = ("temperature", "top_p", "sample_top_k", "seed")  # the last inputs of /live and /race
 
 TITLE = "# ♻️ Token Recycling, live"
 SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a tree of guesses recycled from earlier "
@@ -101,9 +105,11 @@ SUMMARY = ("Speculative decoding with no draft model: each forward pass checks a
            "through the method in nine pages.")
 RACE_ROUNDS_NOTE = (f"Each method runs **{RACE_ROUNDS} times, interleaved**: a round runs every method once, in an "
                     "order rotated each round, and the table gives the median with its range (min–max). Every run of "
-                    "a matrix method starts from a fresh copy of your matrix: nothing a run teaches carries over to "
-                    "another run or round; only what the app learns about sizing trees on this machine (measured step "
-                    "times) carries over, as between your live runs. The replay shows each method's median round.")
+                    "a matrix method starts from a fresh copy of the same matrix: by default the shipped hot start "
+                    "(whatever your live runs taught yours), or, if you pick it, your session's matrix. Nothing a "
+                    "run teaches carries over to another run or round; only what the app learns about sizing trees "
+                    "on this machine (measured step times) carries over, as between your live runs. The replay shows "
+                    "each method's median round.")
 APP_CSS = """
 .tr-notice { font-size: 15px; line-height: 1.5; padding: 10px 14px; border-radius: 6px; margin: 4px 0;
              color: var(--body-text-color); }
@@ -138,19 +144,20 @@ def _shown_errors(stream, failed):
 
 
 class Handlers:
-    """The app's event handlers: adapters that check a request's values, ask a run (``ui.run``) for its next
-    snapshot, throttle and render it. Holds the models loaded in this process (shared by all users) and, per
-    browser session, what its Stop ends; everything of one user lives in their ``Session``. The events take raw
-    values (``preprocess=False``); every failure ends as one message in the page (``_shown_errors``) and, for an
-    API caller, as the error (``ui.errors``). ``trees`` are the draft trees a user may pick; ``allow_local_models``
-    lets the Model box name a folder on the server."""
+    """The app's event handlers: adapters that check a request's values (by name, as the page's controls and the
+    API call them), ask a run (``ui.run``) for its next snapshot, throttle it and return the updates by output name
+    (``ui.frames``; ``app.named`` maps the names to the page's components). Holds the models loaded in this process
+    (shared by all users) and, per browser session, what its Stop ends; everything of one user lives in their
+    ``Session``. The events take raw values (``preprocess=False``); every failure ends as one message in the page
+    (``_shown_errors``) and, for an API caller, as the error (``ui.errors``). ``trees`` are the draft trees a user
+    may pick; ``allow_local_models`` lets the Model box name a folder on the server."""
 
     def __init__(self, models: ModelCache, trees: list[str], allow_local_models: bool = False):
         self.models, self.trees, self.allow_local_models = models, trees, allow_local_models
         self.running: dict[str, Stoppable] = {}  # browser session -> its run, race or replay in progress
 
-    def _settings(self, *values) -> Settings:
-        return Settings.check(*values, trees=self.trees, allow_local_models=self.allow_local_models)
+    def _settings(self, values: dict) -> Settings:
+        return Settings.check(**values, trees=self.trees, allow_local_models=self.allow_local_models)
 
     @contextmanager
     def _stoppable(self, request: gr.Request, run: Stoppable):
@@ -163,28 +170,30 @@ class Handlers:
                 del self.running[request.session_hash]
 
     @user_errors
-    def live(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             method="tr", temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, request: gr.Request = None):
+    def live(self, session: Session, request: gr.Request = None, **values):
         """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
         answer at most every ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive
-        together), then plain decoding's speed for comparison and the whole final state."""
-        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method, None, temperature, top_p,
-                  sample_top_k, seed)
-        yield from _shown_errors(self._live(values, session, request), lambda message: by_name(
-            LIVE_OUTPUTS, notice=notice_html(message), counters=counters_html(Rates(), "not run: see the message")))
+        together), then plain decoding to the same length for the speedup, and the run's summary (JSON)."""
+        yield from _shown_errors(self._live(values, session, request), lambda message: dict(
+            notice_html=notice_html(message), counters_html=counters_html(Rates(), "not run: see the message")))
 
-    def _live(self, values: tuple, session: Session, request: gr.Request):
-        run = LiveRun(session, self.models, self._settings(*values))
-        yield by_name(LIVE_OUTPUTS, notice="", watch=gr.Button(visible=False), counters=counters_html(
+    def _live(self, values: dict, session: Session, request: gr.Request):
+        run = LiveRun(session, self.models, self._settings(values))
+        yield dict(notice_html="", run_summary=None, counters_html=counters_html(
             Rates(), "loading the model (once per process and mode)…" if run.needs_loading else "setting up…"))
         run.prepare()
-        yield by_name(LIVE_OUTPUTS, answer=answer_html([], placeholder="prefill: reading the prompt…"),
-                   counters=counters_html(Rates(), "running", run.note), step=step_slider(1, 0))
+        yield dict(answer_html=answer_html([], placeholder="prefill: reading the prompt…"),
+                   counters_html=counters_html(Rates(), "running", run.note))
         text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
         with self._stoppable(request, run):
             for snap in run.snapshots():
                 if snap.done or snap.measuring_baseline or text_due():
                     yield live_frame(snap, run, snap.done or figures_due(), session)
+
+    @staticmethod
+    def after_live(session: Session) -> dict:
+        """The step slider and the "watch a tree" button, once a run is over."""
+        return after_live(session)
 
     def stop(self, request: gr.Request) -> None:
         """Stop pressed: this browser session's run, race or replay ends after its current step."""
@@ -193,56 +202,53 @@ class Handlers:
             running.stop()
 
     @user_errors
-    def view_step(self, index: float, session: Session):
-        """The answer with step ``index`` outlined, and that step's tree and matrix rows: from the session's record
-        of its latest run, never from a model."""
+    def view_step(self, index: float, session: Session) -> dict:
+        """The answer with step ``index`` outlined, and that step's tree, matrix rows and event (JSON): from the
+        session's record of its latest run, never from a model."""
         live = session.live
         if live is None or not live.events:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        event = live.events[check_step(index, len(live.events))]
-        return (answer_html(live.events, current=event.step, hidden=live.hidden),
-                tree_figure(event, live.token_text, compact=session.narrow),
-                matrix_figure(event, live.token_text, compact=session.narrow), budget_view(event))
+            return dict(answer_html=gr.skip())  # nothing to show: every output stays as it is
+        return step_view(live, check_step(index, len(live.events)), session.narrow)
 
     @user_errors
-    def play(self, index: float, session: Session):
+    def play(self, index: float, session: Session) -> dict:
         """Start the step player, from the first step when the slider stands at the last."""
         n = len(session.live.events) if session.live else 0
         if n < 2:
-            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return dict(timer=gr.Timer(active=False))
         start = 0 if int(index) >= n - 1 else int(index)
-        return (gr.Timer(active=True), step_slider(n, start), *self.view_step(start, session))
+        return dict(timer=gr.Timer(active=True), step=step_slider(n, start), **self.view_step(start, session))
 
     @user_errors
-    def tick(self, index: float, session: Session):
+    def tick(self, index: float, session: Session) -> dict:
         n = len(session.live.events) if session.live else 0
         if int(index) + 1 >= n:
-            return gr.Timer(active=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        return (gr.Timer(), step_slider(n, int(index) + 1), *self.view_step(int(index) + 1, session))
+            return dict(timer=gr.Timer(active=False))
+        return dict(timer=gr.Timer(), step=step_slider(n, int(index) + 1), **self.view_step(int(index) + 1, session))
 
-    def reset(self):
+    def reset(self) -> dict:
         """A fresh session: the matrix goes back to the shipped hot start, the history is cleared."""
         session = Session()
-        return (session, answer_html([], placeholder="Reset: your matrix starts again from the shipped hot start."),
-                counters_html(Rates()), placeholder(TREE_PLACEHOLDER), placeholder(MATRIX_PLACEHOLDER),
-                placeholder(BUDGET_PLACEHOLDER), step_slider(1, 0), history_html(session.history), "",
-                placeholder(STEPS_PLACEHOLDER), gr.Button(visible=False))
+        return dict(session=session, counters_html=counters_html(Rates()), run_summary=None,
+                    answer_html=answer_html([], placeholder="Reset: your matrix starts again from the shipped hot "
+                                                            "start."),
+                    draft_tree=placeholder(TREE_PLACEHOLDER), matrix_rows=placeholder(MATRIX_PLACEHOLDER),
+                    budget_chart=placeholder(BUDGET_PLACEHOLDER), history_html=history_html(session.history),
+                    notice_html="", step_chart=placeholder(STEPS_PLACEHOLDER))
 
     @user_errors
-    def race(self, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, session: Session,
-             methods=DEFAULT_RACE, temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, request: gr.Request = None):
-        """Measure plain decoding and the picked methods in rounds, each run alone on the CPU; the verdict and the
-        table come out here, the side-by-side replay follows in ``replay`` (which needs no model)."""
-        values = (prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, "tr", methods, temperature, top_p,
-                  sample_top_k, seed)
-        yield from _shown_errors(self._race(values, session, request), lambda message: by_name(
-            RACE_OUTPUTS, race_status=f"Not run: {message}"))
+    def race(self, session: Session, request: gr.Request = None, **values):
+        """Measure plain decoding and the picked methods in rounds, each run alone on the CPU; the verdict, the
+        table and the race's summary (JSON) come out here, the side-by-side replay follows in ``replay`` (which
+        needs no model)."""
+        yield from _shown_errors(self._race(values, session, request), lambda message: dict(
+            race_status=f"Not run: {message}", race_summary=None))
 
-    def _race(self, values: tuple, session: Session, request: gr.Request):
-        race = Race(session, self.models, self._settings(*values))
-        yield by_name(RACE_OUTPUTS, race_status="Loading the model…" if race.needs_loading else "Setting up…",
-                   lanes=lanes_html(dict.fromkeys(race.methods), None, values[2]), table="",
-                   race_plot=placeholder(RACE_PLACEHOLDER), race_step_plot=placeholder(STEPS_PLACEHOLDER))
+    def _race(self, values: dict, session: Session, request: gr.Request):
+        race = Race(session, self.models, self._settings(values))
+        yield dict(race_status="Loading the model…" if race.needs_loading else "Setting up…", race_summary=None,
+                   lanes_html=lanes_html(dict.fromkeys(race.methods), None, race.settings.tree), race_table_html="",
+                   race_chart=placeholder(RACE_PLACEHOLDER), race_steps_chart=placeholder(STEPS_PLACEHOLDER))
         race.prepare()
         with self._stoppable(request, race):
             for progress in race.progress():
@@ -258,11 +264,12 @@ class Handlers:
         end, t0 = max(run.elapsed_s for run in race.runs.values()), time.perf_counter()
         with self._stoppable(request, Stoppable()) as replay:
             while (t := time.perf_counter() - t0) < end and not replay.stopped:
-                yield (f"Replaying each method's median round at its measured speed: {t:.1f} s of {end:.1f} s",
-                       lanes_html(race.runs, t, race.tree, race.hidden), race_chart(race, t))
+                yield dict(race_status=f"Replaying each method's median round at its measured speed: {t:.1f} s of "
+                                       f"{end:.1f} s", lanes_html=lanes_html(race.runs, t, race.tree, race.hidden),
+                           race_chart=race_chart(race, t))
                 time.sleep(REPLAY_FRAME_S)
-        yield (race_verdict(race_summary(race.rounds)), lanes_html(race.runs, None, race.tree, race.hidden),
-               race_chart(race))
+        yield dict(race_status=race_verdict(race_summary(race.rounds)), race_chart=race_chart(race),
+                   lanes_html=lanes_html(race.runs, None, race.tree, race.hidden))
 
     @user_errors
     def load_model(self, model_id: str):
@@ -333,119 +340,163 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
                                            placeholder="empty: the embedded SmolLM2-135M-Instruct (default)",
                                            elem_id=f"{prefix}model-id")
                 c["load"] = gr.Button("Load model", size="sm", elem_id=f"{prefix}load")
-                c["model_status"] = gr.Markdown("", elem_id=f"{prefix}model-status")
+                c["model_status"] = gr.Markdown("", label="model_status", elem_id=f"{prefix}model-status")
     return c
 
 
 def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
-    """The Live tab's components, by name."""
+    """The Live tab's components, by name; an output's label is the name an API caller reads it by."""
     c = {"panel": settings_panel("", choices, example_labels, allow_local_models)}
     with gr.Row():
         c["method"] = gr.Dropdown(method_choices(), value="tr", label="Method", elem_id="method", min_width=200,
                                   scale=2)
         c["run"] = gr.Button("Run", variant="primary", size="md", scale=2, elem_id="run", min_width=100)
         c["stop"] = gr.Button("Stop", size="md", scale=1, elem_id="stop", min_width=80)
-    c["notice"] = gr.HTML("", elem_id="notice")
+    c["notice_html"] = gr.HTML("", label="notice_html", elem_id="notice")
     c["watch"] = gr.Button(f"Watch the {WATCH_TREE} tree anyway", variant="primary", visible=False, elem_id="watch")
-    c["counters"] = gr.HTML(counters_html(Rates()), elem_id="counters")
+    c["counters_html"] = gr.HTML(counters_html(Rates()), label="counters_html", elem_id="counters")
     with gr.Row(equal_height=False):
         with gr.Column(scale=5, min_width=320):
             gr.HTML(ANSWER_LEGEND)
-            c["answer"] = gr.HTML(answer_html([], placeholder="The answer streams here, step by step."),
-                                  elem_id="answer")
+            c["answer_html"] = gr.HTML(answer_html([], placeholder="The answer streams here, step by step."),
+                                       label="answer_html", elem_id="answer")
             c["step"] = gr.Slider(0, 1, value=0, step=1, interactive=False, elem_id="step",
                                   label="Decoding step: after a run, drag to see any")
             with gr.Row():
                 c["play"] = gr.Button("▶ Play the decoding steps", size="sm", elem_id="play", min_width=120)
                 c["pause"] = gr.Button("❚❚ Pause", size="sm", elem_id="pause", min_width=80)
         with gr.Column(scale=7, min_width=320):
-            c["tree_plot"] = gr.Plot(placeholder(TREE_PLACEHOLDER), label="Draft tree of the decoding step",
-                                     show_label=False, elem_id="tree-plot")
-    c["step_plot"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Each decoding step against plain decoding",
-                             show_label=False, elem_id="step-plot")
-    c["matrix_plot"] = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="Adjacency-matrix rows the step rewrote",
-                               show_label=False, elem_id="matrix-plot")
-    c["budget_plot"] = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="Tree budget: expected tokens/s by size",
-                               show_label=False, elem_id="budget-plot")
+            c["draft_tree"] = gr.Plot(placeholder(TREE_PLACEHOLDER), label="draft_tree", show_label=False,
+                                      elem_id="tree-plot")
+    c["step_chart"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="step_chart", show_label=False,
+                              elem_id="step-plot")
+    c["matrix_rows"] = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="matrix_rows", show_label=False,
+                               elem_id="matrix-plot")
+    c["budget_chart"] = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="budget_chart", show_label=False,
+                                elem_id="budget-plot")
     with gr.Accordion("Your runs in this session", open=True):
-        c["history"] = gr.HTML(history_html([]), elem_id="history")
+        c["history_html"] = gr.HTML(history_html([]), label="history_html", elem_id="history")
         c["reset"] = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
-    with gr.Accordion("Step events of your latest run and race (JSON, as the command line's --trace writes them)",
-                      open=False):
-        c["show_trace"] = gr.Button("Show the step events", size="sm", elem_id="show-trace")
-        c["trace"] = gr.JSON(elem_id="trace")
+    with gr.Accordion("This run's figures and step events, as JSON (what the API returns)", open=False):
+        c["run_summary"] = gr.JSON(label="run_summary", elem_id="run-summary")
+        c["step_event"] = gr.JSON(label="step_event", elem_id="step-event")
+        c["show_trace"] = gr.Button("Show the step events of your latest run and race (as --trace writes them)",
+                                    size="sm", elem_id="show-trace")
+        c["trace"] = gr.JSON(label="trace", elem_id="trace")
     return c
 
 
 def race_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
-    """The Race tab's components, by name."""
+    """The Race tab's components, by name; an output's label is the name an API caller reads it by."""
     gr.Markdown(f"Plain decoding and the methods you pick, each run {RACE_ROUNDS} times, interleaved: the median "
                 "speed with its range, every output checked against plain decoding's, and a verdict on why Token "
                 "Recycling won or lost on this machine.")
     with gr.Accordion("How the race measures", open=False):
         gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
     c = {"panel": settings_panel("race-", choices, example_labels, allow_local_models)}
-    c["methods"] = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
-                                    label="Race against plain decoding", elem_id="race-methods")
+    c["race_methods"] = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
+                                         label="Race against plain decoding", elem_id="race-methods")
+    c["race_matrix"] = gr.Radio([(about, name) for name, about in RACE_MATRICES.items()], value="shipped",
+                                label="Every matrix method starts from", elem_id="race-matrix")
     with gr.Accordion("What each method drafts from", open=False):
         gr.Markdown(methods_help())
     with gr.Row():
         c["run"] = gr.Button("Run the race", variant="primary", size="md", scale=2, elem_id="race-run")
         c["stop"] = gr.Button("Stop", size="md", scale=1, elem_id="race-stop")
-    c["status"] = gr.Markdown(elem_id="race-status")
-    c["table"] = gr.HTML(elem_id="race-table")
-    c["plot"] = gr.Plot(placeholder(RACE_PLACEHOLDER), label="Tokens against time, as measured", show_label=False,
-                        elem_id="race-plot")
-    c["step_plot"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="Token Recycling's decoding steps",
-                             show_label=False, elem_id="race-step-plot")
-    c["lanes"] = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), elem_id="lanes")
+    c["race_status"] = gr.Markdown(label="race_status", elem_id="race-status")
+    c["race_table_html"] = gr.HTML(label="race_table_html", elem_id="race-table")
+    c["race_chart"] = gr.Plot(placeholder(RACE_PLACEHOLDER), label="race_chart", show_label=False,
+                              elem_id="race-plot")
+    c["race_steps_chart"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="race_steps_chart", show_label=False,
+                                    elem_id="race-step-plot")
+    c["lanes_html"] = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), label="lanes_html", elem_id="lanes")
+    with gr.Accordion("The race's figures, as JSON (what the API returns)", open=False):
+        c["race_summary"] = gr.JSON(label="race_summary", elem_id="race-summary")
     return c
 
 
 MODEL_WORK = dict(concurrency_limit=MODEL_CONCURRENCY, concurrency_id="model")
 RAW = dict(preprocess=False)  # the handlers check every value themselves (ui.inputs), with clear messages
-SETTINGS = ("prompt", "max_new", "tree", "top_k", "hot", "model_id", "mode")  # the first inputs of /live and /race
+# The inputs of /live and /race, by the name each handler (and an API caller) gives them, in the API's order
+SETTINGS = {"prompt": "prompt", "max_new_tokens": "max_new", "tree": "tree", "top_k": "top_k", "hot_start": "hot",
+            "model_id": "model_id", "mode": "mode"}
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "sample_top_k": "sample_top_k", "seed": "seed"}
 
 
-def wire_live(h: Handlers, live: dict, racing: dict, session: gr.State, timer: gr.Timer) -> None:
+def named(fn, components: dict):
+    """``fn`` (a handler, or a generator of updates) with its updates by name turned into updates by component, as
+    gradio takes them; ``functools.wraps`` keeps the signature that names the API's parameters."""
+    def by_component(update):
+        assert update, "an update names at least one output (gradio reads an empty dict as one value)"
+        return {components[name]: value for name, value in update.items()}
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(*args, **kwargs):
+            for update in fn(*args, **kwargs):
+                yield by_component(update)
+        return stream
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return by_component(fn(*args, **kwargs))
+    return call
+
+
+def run_inputs(tab: dict, session: gr.State, *own: str) -> dict:
+    """A run's inputs by name: the settings, the tab's own controls (``own``), the sampling, the session."""
+    panel = tab["panel"]
+    return {**{name: panel[key] for name, key in SETTINGS.items()}, **{name: tab[name] for name in own},
+            **{name: panel[key] for name, key in SAMPLING.items()}, "session": session}
+
+
+def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer) -> None:
     """The Live tab's events: run (and "watch the tree anyway"), stop, reset, the step slider and the player."""
-    panel = live["panel"]
-    inputs = [panel[n] for n in SETTINGS] + [session, live["method"]] + [panel[n] for n in SAMPLING]
-    outputs = [live[n] for n in ("answer", "counters", "tree_plot", "matrix_plot", "step")] + [session] + [
-        live[n] for n in ("history", "budget_plot", "notice", "step_plot", "watch")]
-    live["run"].click(h.live, inputs, outputs, api_name="live", show_progress="hidden", **MODEL_WORK, **RAW)
-    live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [panel["tree"], racing["panel"]["tree"]],
-                        api_visibility="private").then(h.live, inputs, outputs, show_progress="hidden",
-                                                       api_visibility="private", **MODEL_WORK, **RAW)
+    session, inputs = out["session"], run_inputs(live, out["session"], "method")
+    outputs, after = [out[n] for n in LIVE_OUTPUTS], [out[n] for n in AFTER_LIVE_OUTPUTS]
+    run = named(h.live, out)
+    live["run"].click(run, inputs_kwargs=inputs, outputs=outputs, api_name="live", show_progress="hidden",
+                      **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
+    live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["panel"]["tree"], racing["panel"]["tree"]],
+                        api_visibility="private").then(
+        run, inputs_kwargs=inputs, outputs=outputs, show_progress="hidden", api_visibility="private", **MODEL_WORK,
+        **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
     # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
     live["stop"].click(h.stop, None, None, api_name="stop", queue=False)
-    live["reset"].click(h.reset, None, [session] + [live[n] for n in (
-        "answer", "counters", "tree_plot", "matrix_plot", "budget_plot", "step", "history", "notice", "step_plot",
-        "watch")], api_name="reset")
-    figures = [live[n] for n in ("answer", "tree_plot", "matrix_plot", "budget_plot")]
-    live["step"].input(h.view_step, [live["step"], session], figures, api_name="step", trigger_mode="always_last",
-                       show_progress="hidden", **RAW)
+    live["reset"].click(named(h.reset, out), None, [out[n] for n in RESET_OUTPUTS], api_name="reset").then(
+        named(h.after_live, out), [session], after, api_visibility="private")
+    figures = [out[n] for n in STEP_OUTPUTS]
+    live["step"].input(named(h.view_step, out), [live["step"], session], figures, api_name="step",
+                       trigger_mode="always_last", show_progress="hidden", **RAW)
     frame = [timer, live["step"]] + figures
-    live["play"].click(h.play, [live["step"], session], frame, api_visibility="private", show_progress="hidden")
+    live["play"].click(named(h.play, out), [live["step"], session], frame, api_visibility="private",
+                       show_progress="hidden")
     live["pause"].click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
-    timer.tick(h.tick, [live["step"], session], frame, api_visibility="private", show_progress="hidden")
+    timer.tick(named(h.tick, out), [live["step"], session], frame, api_visibility="private", show_progress="hidden")
     live["show_trace"].click(h.trace, [session], [live["trace"]], api_name="trace")
 
 
-def wire_race(h: Handlers, racing: dict, live: dict, session: gr.State) -> None:
+def wire_race(h: Handlers, racing: dict, live: dict, out: dict) -> None:
     """The Race tab's events (the race, then its replay; stop) and both tabs' model loading."""
-    panel = racing["panel"]
-    inputs = [panel[n] for n in SETTINGS] + [session, racing["methods"]] + [panel[n] for n in SAMPLING]
-    outputs = [racing[n] for n in ("status", "lanes", "table", "plot")] + [session, live["history"],
-                                                                           racing["step_plot"]]
-    run = racing["run"].click(h.race, inputs, outputs, api_name="race", show_progress="hidden", **MODEL_WORK, **RAW)
-    run.success(h.replay, [session], [racing["status"], racing["lanes"], racing["plot"]], api_name="replay",
+    inputs = run_inputs(racing, out["session"], "race_methods")
+    inputs["race_matrix"] = racing["race_matrix"]  # last: the API's positional order stays as it was
+    run = racing["run"].click(named(h.race, out), inputs_kwargs=inputs, outputs=[out[n] for n in RACE_OUTPUTS],
+                              api_name="race", show_progress="hidden", **MODEL_WORK, **RAW)
+    run.success(named(h.replay, out), [out["session"]], [out[n] for n in REPLAY_OUTPUTS], api_name="replay",
                 show_progress="hidden")
     racing["stop"].click(h.stop, None, None, api_visibility="private", queue=False)
     for i, tab in enumerate((live, racing)):
         tab["panel"]["load"].click(h.load_model, [tab["panel"]["model_id"]], [tab["panel"]["model_status"]],
                                    show_progress="hidden", **({"api_name": "load_model"} if i == 0 else
                                                               {"api_visibility": "private"}), **MODEL_WORK, **RAW)
+
+
+def outputs_by_name(live: dict, racing: dict, session: gr.State, timer: gr.Timer) -> dict:
+    """Every component a handler updates, by the name its updates use (``ui.frames``)."""
+    names = set(LIVE_OUTPUTS + STEP_OUTPUTS + AFTER_LIVE_OUTPUTS) - {"session"}
+    out = {n: live[n] for n in names}
+    out.update({n: racing[n] for n in set(RACE_OUTPUTS + REPLAY_OUTPUTS) - {"session", "history_html"}})
+    return {**out, "session": session, "timer": timer}
 
 
 def wire_shared(live: dict, racing: dict, examples: list[str], live_tab_: gr.Tab, race_tab_: gr.Tab) -> None:
@@ -484,8 +535,9 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         demo.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", api_visibility="private")
         narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
         wire_shared(live, racing, examples, live_tab_, race_tab_)
-        wire_live(h, live, racing, session, timer)
-        wire_race(h, racing, live, session)
+        out = outputs_by_name(live, racing, session, timer)
+        wire_live(h, live, racing, out, timer)
+        wire_race(h, racing, live, out)
     return demo
 
 

@@ -22,10 +22,11 @@ from tr_core.engine import Engine  # noqa: E402
 from tr_core.events import Rates, RowUpdate, StepEvent  # noqa: E402
 from tr_core.matrix import AdjacencyMatrix  # noqa: E402
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError  # noqa: E402
-from tr_core.stats import Spread  # noqa: E402
+from tr_core.stats import SPEEDUP_DEFINITION, Spread, speedup  # noqa: E402
 from tr_core.stats import first_difference as first_different_token  # noqa: E402
 from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
 from ui import models as models_mod  # noqa: E402
+from ui.frames import race_frame  # noqa: E402
 from ui.inputs import InputError  # noqa: E402
 from ui.models import ModelCache  # noqa: E402
 from ui.records import Baseline, RaceRun, race_summary  # noqa: E402
@@ -110,12 +111,18 @@ def test_counters_measure_decoding_time_and_name_the_key_number_once():
     assert Rates().tokens_per_s == 0.0
 
 
-def test_counters_show_plain_decodings_speed_beside_the_runs():
-    baseline = Baseline(20.0, 50.0, "measured on your prompt right after your run (24 tokens, in this session)")
-    page = counters_html(Rates(steps=4, tokens=10, seconds=2.0), "finished", baseline=baseline, speed=25.0)
+def test_counters_show_one_speed_per_method_and_the_one_speedup():
+    baseline = Baseline(4.0, 50.0, "one plain decoding of your prompt to the same 10 tokens", True)
+    page = counters_html(Rates(steps=4, tokens=10, seconds=2.0), "finished", baseline=baseline)
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
-    assert values["plain_tokens_per_s"] == "20.0" and values["speedup"] == "1.25"
-    assert "Plain decoding: 50.0 ms per token, measured on your prompt right after your run" in visible_text(page)
+    # the run's tokens/s (10 tokens in 2 s) over plain's, as tr_core.stats.speedup defines it: nothing else
+    assert values["tokens_per_s"] == "5.0" and values["plain_tokens_per_s"] == "4.0" and values["speedup"] == "1.25"
+    assert values["speedup"] == f"{speedup(5.0, 4.0):.2f}"
+    text = visible_text(page)
+    assert "one plain decoding of your prompt to the same 10 tokens; 50.0 ms per decoding step" in text
+    assert "It gave the very same tokens." in text and SPEEDUP_DEFINITION in text
+    differs = counters_html(Rates(4, 10, 2.0), baseline=Baseline(4.0, 50.0, "x", False))
+    assert "DIFFER" in visible_text(differs)
 
 
 def test_first_different_token():
@@ -345,9 +352,11 @@ def tiny_models(tiny_folder):
 
 
 def settings(max_new_tokens=12, tree="small", top_k=8, hot_start=True, prompt="Name three colours.", method="tr",
-             race=("pld", "tr"), sampling=(0.0, 1.0, 0, 0)):
-    return Settings.check(prompt, max_new_tokens, tree, top_k, hot_start, "", "exact", method, race, *sampling,
-                          trees=TREES)
+             race=("pld", "tr"), sampling=(0.0, 1.0, 0, 0), race_matrix="shipped"):
+    temperature, top_p, sample_top_k, seed = sampling
+    return Settings.check(prompt=prompt, max_new_tokens=max_new_tokens, tree=tree, top_k=top_k, hot_start=hot_start,
+                          model_id="", mode="exact", method=method, race_methods=race, race_matrix=race_matrix,
+                          temperature=temperature, top_p=top_p, sample_top_k=sample_top_k, seed=seed, trees=TREES)
 
 
 def test_sampling_settings_are_checked_with_the_controls_names():
@@ -388,7 +397,8 @@ def test_settings_are_checked_and_name_the_first_refused():
     with pytest.raises(InputError, match="Unknown draft tree 'huge'"):
         settings(tree="huge")
     with pytest.raises(InputError, match="Max new tokens must be a whole number"):
-        Settings.check("hi", 0, "huge", 8, True, "", "exact", trees=TREES)
+        Settings.check(prompt="hi", max_new_tokens=0, tree="huge", top_k=8, hot_start=True, model_id="",
+                       mode="exact", trees=TREES)
 
 
 def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_models):
@@ -407,7 +417,13 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
     assert counts == list(range(1, len(events) + 1)) + [len(events)] and snaps[-2].measuring_baseline
     baseline = snaps[-1].baseline
     assert baseline.tokens_per_s > 0 and baseline.ms_per_token > 0 and session.live.baseline is baseline
-    assert baseline.source == "measured on your prompt right after your run (12 tokens, in this session)"
+    assert baseline.source.startswith("one plain decoding of your prompt to the same 12 tokens, right after your run")
+    assert baseline.identical is True  # plain decoding gave the run's very tokens
+    summary = session.live.summary
+    assert summary["speedup"] == round(speedup(snaps[-1].rates.tokens_per_s, baseline.tokens_per_s), 4)
+    assert summary["speedup_definition"] == SPEEDUP_DEFINITION and summary["identical_to_plain"] is True
+    assert summary["tokens_per_forward_pass"] == round(snaps[-1].rates.mean_accepted_tokens, 3)
+    assert summary["matrix_history"] == "an empty matrix, no run of yours yet"
     assert not snaps[-1].drafted_nothing  # the small tree drafts
     assert snaps[-1].rates.tokens == 12 == sum(len(e.new_tokens) for e in events)
     assert snaps[-1].rates.steps == len(events) and snaps[-1].rates.seconds > 0
@@ -467,8 +483,15 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     live.prepare()
     list(live.snapshots())
     taught = session.matrix.rows.clone()
+    from_session = Race(session, tiny_models, settings(race_matrix="session"))
+    from_session.prepare()  # the option: a copy of what the session's live run taught
+    assert torch.equal(from_session.matrix.rows, taught) and from_session.matrix is not session.matrix
+    assert from_session.matrix_history == "a copy of your session's matrix: an empty matrix + 1 run of yours, 1 on this prompt"
     race = Race(session, tiny_models, settings())
-    race.prepare()
+    race.prepare()  # the default: the same starting matrix for every method, whatever the session's runs taught
+    fresh, about = starting_matrix(race.engine, True)
+    assert torch.equal(race.matrix.rows, fresh.rows) and not torch.equal(race.matrix.rows, taught)
+    assert race.matrix_history.endswith(about) and race.start == "shipped"
     progress = list(race.progress())
     # three rounds, interleaved, each in an order rotated by one
     assert [p.status.split(" (")[0].split(", alone")[0] for p in progress] == [
@@ -488,12 +511,33 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     assert torch.equal(session.matrix.rows, taught), "measuring does not teach the session's matrix"
     assert [h["what"] for h in session.history] == ["live", "race: plain", "race: pld", "race: tr"]
     assert session.trace()["race"]["runs"]["tr"][0]["method"] == "tr"
+    assert session.race.matrix_history == race.matrix_history
+
+
+def test_the_race_summary_gives_each_methods_figures_from_its_rounds(tiny_models):
+    race = Race(Session(), tiny_models, settings())
+    race.prepare()
+    final = race_frame(list(race.progress())[-1], race, race.session)
+    data, rounds = final["race_summary"], race.session.race.rounds
+    assert final["race_status"] == data["verdict"] and not data["verdict"].endswith("…")  # final, not progress
+    assert data["speedup_definition"] == SPEEDUP_DEFINITION and data["matrix_history"] == race.matrix_history
+    for method, runs in rounds.items():
+        figures = data["methods"][method]
+        speeds = [r.events[-1].total_tokens / r.events[-1].elapsed_s for r in runs]
+        assert figures["median_tokens_per_s"] == round(sorted(speeds)[1], 3)
+        assert (figures["min_tokens_per_s"], figures["max_tokens_per_s"]) == (round(min(speeds), 3),
+                                                                              round(max(speeds), 3))
+        ratios = sorted(speedup(r.rates.tokens_per_s, p.rates.tokens_per_s) for r, p in zip(runs, rounds["plain"]))
+        assert figures["speedup"] == round(ratios[1], 4) and figures["speedup_range"] == [round(ratios[0], 4),
+                                                                                         round(ratios[2], 4)]
+        assert figures["identical"] is True and figures["rounds"] == 3
+    assert data["methods"]["plain"]["draft_nodes_per_step"] == 0 and data["methods"]["tr"]["draft_nodes_per_step"] > 0
 
 
 def test_the_default_race_adds_the_best_method_beyond_the_paper_each_from_its_own_copy(tiny_models):
     session = Session()
-    race = Race(session, tiny_models, Settings.check("Name three colours.", 12, "small", 8, True, "", "exact",
-                                                     trees=TREES))
+    race = Race(session, tiny_models, Settings.check(prompt="Name three colours.", max_new_tokens=12, tree="small",
+                                                     top_k=8, hot_start=True, model_id="", mode="exact", trees=TREES))
     race.prepare()
     assert race.methods == ("plain", "pld", "tr", "tr-context")
     starts = {m: e.matrix.rows.clone() for m, e in race.engines.items()}
@@ -567,6 +611,9 @@ def client(served):
     return Client(served, verbose=False)
 
 
+LIVE = {name: i for i, name in enumerate(app.LIVE_OUTPUTS[:-1])}  # /live's outputs by name (the session is not one)
+
+
 def node_markers(plot: dict) -> int:
     """Points drawn by a tree figure's node traces (the legend keys draw none)."""
     figure = json.loads(plot["plot"])
@@ -589,10 +636,14 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     assert "finished" in final[1]
     trees = [u[2] for u in updates if isinstance(u[2], dict) and u[2].get("type") == "plotly"]
     assert trees and all(node_markers(t) == 13 + 1 for t in trees)  # the small tree's 13 nodes and the bonus
-    assert "<td>live</td>" in final[5]
+    assert "<td>live</td>" in final[LIVE["history_html"]]
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', final[1]))
     assert float(values["plain_tokens_per_s"]) > 0 and "Plain decoding: " in final[1]  # measured beside the run
-    assert final[8]["type"] == "plotly"  # each decoding step against plain decoding's ms per token
+    assert final[LIVE["step_chart"]]["type"] == "plotly"  # each decoding step against plain decoding's ms per token
+    summary = final[LIVE["run_summary"]]  # the run's figures, as the counters show them
+    assert summary["tokens"] == int(values["tokens"]) and f'{summary["speedup"]:.2f}' == values["speedup"]
+    assert summary["identical_to_plain"] is True and summary["tree"] == "small" and summary["method"] == "tr"
+    assert summary["draft_nodes_per_step"] == 12.0 and summary["speedup_definition"] == SPEEDUP_DEFINITION
 
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
@@ -603,12 +654,12 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
 def test_the_auto_tree_shows_its_budget_at_every_step(client):
     final = client.predict(PROMPT, 12, "auto", 8, True, "", api_name="/live")
     assert "sizes each step's tree by the step times it measures" in visible_text(final[1])
-    title = json.loads(final[6]["plot"])["layout"]["title"]["text"]
+    title = json.loads(final[LIVE["budget_chart"]]["plot"])["layout"]["title"]["text"]
     assert re.match(r"step \d+: \d+ draft nodes", title), title
     shown = client.predict(0, api_name="/step")  # any step of the run: its own budget
     assert json.loads(shown[3]["plot"])["layout"]["title"]["text"].startswith("step 0: ")
     small = client.predict(PROMPT, 8, "small", 8, True, "", api_name="/live")  # a fixed tree has no budget
-    assert "auto tree" in json.loads(small[6]["plot"])["layout"]["annotations"][0]["text"]
+    assert "auto tree" in json.loads(small[LIVE["budget_chart"]]["plot"])["layout"]["annotations"][0]["text"]
 
 
 def test_fast_mode_decodes_on_its_own_copy_in_the_format_measured_fastest(client, app_models):
@@ -630,12 +681,13 @@ def test_sessions_do_not_share_runs(client, served):
     answer = other.predict(0, api_name="/step")[0]
     assert not isinstance(answer, str), "a new session has no run to show"
     reset = client.predict(api_name="/reset")
-    assert "No runs yet" in reset[6]
+    assert "No runs yet" in reset[LIVE["history_html"]]
 
 
 def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain(client):
-    status, _, table, _, history, steps = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact",
-                                                         ["pld", "tr"], api_name="/race")
+    status, _, table, _, steps, history, summary = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact",
+                                                                  ["pld", "tr"], api_name="/race")
+    assert summary["verdict"] == status and list(summary["methods"]) == ["plain", "pld", "tr"]
     verdict = re.match(r"Token Recycling ran at [\d.]+× plain decoding \(median of 3 rounds, range [\d.]+–[\d.]+×\): "
                        r"each forward pass added (only )?[\d.]+ tokens \(bonus token included\) (for|but cost) [\d.]+×",
                        status)
@@ -643,7 +695,7 @@ def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain
     rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)" data-median="([\d.]+)" data-low="([\d.]+)" '
                       r'data-high="([\d.]+)"><td>[^<]*</td><td>[^<]*</td><td>([\d.]+)×', table)
     assert [r[0] for r in rows] == ["plain", "pld", "tr"] and rows[0][5] == "1.00"
-    for method, identical, median, low, high, speedup in rows:
+    for method, identical, median, low, high, ratio in rows:
         assert 0 < float(low) <= float(median) <= float(high)
         assert identical == "true", f"{method}'s output differs from plain decoding"  # as /live shows for it
     assert "tr-diff" not in table
@@ -677,7 +729,8 @@ def test_stop_ends_the_run_after_its_current_step(client):
     final = job.result()
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', final[1]))
     assert "stopped by you" in final[1] and int(values["steps"]) >= 3 and int(values["tokens"]) < 256
-    assert "<td>live (stopped)</td>" in final[5]
+    assert "<td>live (stopped)</td>" in final[LIVE["history_html"]]
+    assert final[LIVE["run_summary"]]["speedup"] is None  # stopped: plain decoding was not measured
 
 
 def test_a_model_that_cannot_load_leaves_the_app_usable(client):
@@ -740,8 +793,22 @@ def test_a_narrow_screen_gets_the_figures_compact_layout():
     assert handlers.viewport(True, session) is session and session.narrow
     narrow = handlers.view_step(0, session)
     text = session.live.token_text
-    assert narrow[1].layout.title.text == tree_figure(hand_event(), text, compact=True).layout.title.text
-    assert wide[1].layout.title.text == tree_figure(hand_event(), text).layout.title.text
-    assert narrow[2].layout.height == matrix_figure(hand_event(), text, compact=True).layout.height
-    assert narrow[1].layout.title.text != wide[1].layout.title.text  # the compact title wraps sooner
+    assert narrow["draft_tree"].layout.title.text == tree_figure(hand_event(), text, compact=True).layout.title.text
+    assert wide["draft_tree"].layout.title.text == tree_figure(hand_event(), text).layout.title.text
+    assert narrow["matrix_rows"].layout.height == matrix_figure(hand_event(), text, compact=True).layout.height
+    assert narrow["draft_tree"].layout.title.text != wide["draft_tree"].layout.title.text  # the compact title wraps sooner
     assert handlers.viewport("yes", session).narrow is False  # anything but True is a wide screen
+
+
+def test_every_output_of_the_api_has_a_name_a_programmer_reads(client):
+    """No endpoint returns an output gradio could only call ``value_N``; /live and /race end with their JSON
+    summaries, /step with the step's event."""
+    endpoints = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    returns = {name: [r["label"] for r in e["returns"]] for name, e in endpoints.items()}
+    assert not [(n, label) for n, labels in returns.items() for label in labels if re.fullmatch(r"value_\d+", label)]
+    assert all(re.fullmatch(r"[a-z_]+", label) for labels in returns.values() for label in labels), returns
+    assert returns["/live"][-1] == "run_summary" and returns["/race"][-1] == "race_summary"
+    assert returns["/step"][-1] == "step_event" and returns["/trace"] == ["trace"]
+    params = [p["parameter_name"] for p in endpoints["/race"]["parameters"]]
+    assert params == ["prompt", "max_new_tokens", "tree", "top_k", "hot_start", "model_id", "mode", "race_methods",
+                      "temperature", "top_p", "sample_top_k", "seed", "race_matrix"]

@@ -19,6 +19,20 @@ BOOTSTRAP = {"resamples": 2000, "seed": 0, "confidence": 0.95}
 MIN_QUESTIONS_FOR_VERDICT = 5
 
 
+# The one speedup of this project: the benchmark, the race, Live and the walkthrough all compute it with ``speedup``
+SPEEDUP_DEFINITION = ("a method's tokens per second over plain decoding's, on the same prompt and the same answer "
+                      "length; each counts the whole answer: the prefill and every decoding step")
+
+
+def speedup(tokens_per_s: float, plain_tokens_per_s: float) -> float:
+    """A method's speed over plain decoding's (``SPEEDUP_DEFINITION``); 0 where plain's is unknown.
+
+    >>> speedup(30.0, 20.0), speedup(5.0, 0.0)
+    (1.5, 0.0)
+    """
+    return tokens_per_s / plain_tokens_per_s if plain_tokens_per_s > 0 else 0.0
+
+
 def median_round(rounds: Sequence[T], seconds: Callable[[T], float]) -> T:
     """The round with the median time (of an even count, the faster of the two middle ones): a robust time that
     comes, with its steps and events, from one real decoding.

@@ -14,7 +14,7 @@ from visualize.charts import step_latency_figure
 from visualize.palette import wrap
 
 from .page import BUDGET_PLACEHOLDER, CANNOT_PAY
-from .records import RaceRun, decoding_speed, ms_per_step, race_summary
+from .records import RaceRun, ms_per_step, race_summary
 from .render import (
     answer_html,
     counters_html,
@@ -28,15 +28,18 @@ from .render import (
 )
 from .run import LiveRun, Race, RaceProgress, Snapshot
 from .session import Session
+from .summaries import race_summary_data
 
-LIVE_OUTPUTS = ("answer", "counters", "tree_plot", "matrix_plot", "step", "session", "history", "budget_plot",
-                "notice", "step_plot", "watch")
-RACE_OUTPUTS = ("race_status", "lanes", "table", "race_plot", "session", "history", "race_step_plot")
-
-
-def by_name(names: tuple[str, ...], **values) -> tuple:
-    """One update per output in ``names`` order; an output not given stays as it is."""
-    return tuple(values.get(name, gr.skip()) for name in names)
+# Each endpoint's outputs, by the names an API caller reads (gradio labels them so); every update below is a dict
+# of some of them, by name, and app.py maps the names to the page's components
+LIVE_OUTPUTS = ("answer_html", "counters_html", "draft_tree", "matrix_rows", "budget_chart", "step_chart",
+                "history_html", "notice_html", "run_summary", "session")
+STEP_OUTPUTS = ("answer_html", "draft_tree", "matrix_rows", "budget_chart", "step_event")
+RESET_OUTPUTS = LIVE_OUTPUTS
+AFTER_LIVE_OUTPUTS = ("step", "watch")  # the page's own controls after a run (not part of the API's answer)
+RACE_OUTPUTS = ("race_status", "lanes_html", "race_table_html", "race_chart", "race_steps_chart", "history_html",
+                "race_summary", "session")
+REPLAY_OUTPUTS = ("race_status", "lanes_html", "race_chart")
 
 
 def placeholder(text: str) -> go.Figure:
@@ -56,25 +59,42 @@ def budget_view(event) -> go.Figure:
     return budget_figure(event) if event.budget is not None else placeholder(BUDGET_PLACEHOLDER)
 
 
-def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) -> tuple:
+def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) -> dict:
     """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; on the
     final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
     last = snap.events[-1] if snap.events else None
     status = (finished_status(last, snap.stopped) if snap.done else
               "decoded; now measuring plain decoding on your prompt, for comparison…" if snap.measuring_baseline
               else "running")
-    values = dict(answer=answer_html(snap.events, hidden=run.hidden), session=session,
-                  counters=counters_html(snap.rates, status, snap.note, snap.baseline, decoding_speed(snap.events)))
+    values = dict(answer_html=answer_html(snap.events, hidden=run.hidden), session=session,
+                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline))
     if (figures or snap.done) and last:
-        values.update(tree_plot=tree_figure(last, run.token_text, compact=session.narrow),
-                      matrix_plot=matrix_figure(last, run.token_text, compact=session.narrow),
-                      step=step_slider(len(snap.events)), budget_plot=budget_view(last))
+        values.update(draft_tree=tree_figure(last, run.token_text, compact=session.narrow),
+                      matrix_rows=matrix_figure(last, run.token_text, compact=session.narrow),
+                      budget_chart=budget_view(last))
     if snap.done:
         baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
-        values.update(history=history_html(session.history), watch=gr.Button(visible=snap.drafted_nothing),
-                      notice=notice_html(CANNOT_PAY, "callout") if snap.drafted_nothing else "",
-                      step_plot=step_latency_figure(snap.events, baseline_ms=baseline_ms) if last else gr.skip())
-    return by_name(LIVE_OUTPUTS, **values)
+        values.update(history_html=history_html(session.history), run_summary=run.record.summary,
+                      notice_html=notice_html(CANNOT_PAY, "callout") if snap.drafted_nothing else "",
+                      step_chart=step_latency_figure(snap.events, baseline_ms=baseline_ms) if last else gr.skip())
+    return values
+
+
+def after_live(session: Session) -> dict:
+    """The step slider and the "watch a tree" button once a run is over (or reset): from the session's record."""
+    live = session.live
+    events = live.events if live else []
+    return dict(step=step_slider(max(1, len(events)), max(0, len(events) - 1)),
+                watch=gr.Button(visible=bool(live and live.drafted_nothing)))
+
+
+def step_view(live, index: int, narrow: bool) -> dict:
+    """Step ``index`` of a recorded live run: the answer with it outlined, its tree, matrix rows, budget and event."""
+    event = live.events[index]
+    return dict(answer_html=answer_html(live.events, current=event.step, hidden=live.hidden),
+                draft_tree=tree_figure(event, live.token_text, compact=narrow),
+                matrix_rows=matrix_figure(event, live.token_text, compact=narrow), budget_chart=budget_view(event),
+                step_event=event.to_dict())
 
 
 def race_step_plot(runs: dict[str, RaceRun]) -> go.Figure:
@@ -86,19 +106,22 @@ def race_step_plot(runs: dict[str, RaceRun]) -> go.Figure:
                                      "plain decoding")
 
 
-def race_frame(progress: RaceProgress, race: Race, session: Session) -> tuple:
-    """The Race tab while measuring, and the verdict, the table and the step figure once every round is measured."""
+def race_frame(progress: RaceProgress, race: Race, session: Session) -> dict:
+    """The Race tab while measuring, and the verdict, the table, the step figure and the summary once every round
+    is measured."""
     tree = race.settings.tree
     if not progress.done:
-        return by_name(RACE_OUTPUTS, race_status=progress.status,
-                       lanes=lanes_html(progress.runs, None, tree, race.hidden))
+        return dict(race_status=progress.status, lanes_html=lanes_html(progress.runs, None, tree, race.hidden))
     if progress.stopped:
-        return by_name(RACE_OUTPUTS, race_status=progress.status)
-    verdict = race_verdict(race_summary(progress.rounds))
+        return dict(race_status=progress.status)
+    summary = race_summary(progress.rounds)
+    verdict = race_verdict(summary)
     table = race_table_html(progress.rounds, race.decode, tree)
-    table += f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}.</div>'
-    return by_name(RACE_OUTPUTS, race_status=f"{verdict} Replaying the median rounds side by side…", table=table,
-                session=session, history=history_html(session.history), race_step_plot=race_step_plot(progress.runs))
+    table += (f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}. Every matrix method '
+              f"started from {escape(race.matrix_history)}.</div>")
+    return dict(race_status=verdict, race_table_html=table, session=session,
+                history_html=history_html(session.history), race_steps_chart=race_step_plot(progress.runs),
+                race_summary=race_summary_data(summary, progress.rounds, verdict, race.matrix_history))
 
 
 def race_chart(race, at_s: float | None = None):

@@ -26,6 +26,7 @@ import plotly.graph_objects as go
 from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
 from tr_core.events import TOKENS_PER_PASS
 from tr_core.methods import METHODS
+from tr_core.stats import SPEEDUP_DEFINITION
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import (
     TITLE_CHARS,
@@ -243,7 +244,8 @@ def beyond_facts(benchmark: dict) -> dict:
     first = runs[0]
     setting = (f"Measured on {first.get('cpu', 'this project’s machine')} ({first.get('threads', '?')} threads), "
                f"Spec-Bench, {first.get('questions', '?')} questions, {first.get('max_new_tokens', '?')} new tokens "
-               f"each, every method on the same questions, alternated, in one run per mode")
+               f"each, every method on the same questions, alternated, in one run per mode; speedup: "
+               f"{SPEEDUP_DEFINITION} (the median over questions)")
     modes = [r.get("mode", "?") for r in runs]
     rows = ["| method | " + " | ".join(f"{m} mode: speedup [95%], {KEY}, draft nodes per decoding step"
                                      for m in modes) + " |", "|---" * (1 + len(runs)) + "|"]

@@ -9,14 +9,7 @@ from statistics import median
 from typing import Mapping, Sequence
 
 from tr_core.events import Rates, StepEvent
-from tr_core.stats import Spread, median_round
-
-
-def decoding_speed(events: Sequence[StepEvent]) -> float:
-    """Tokens per second over a run's decoding steps alone (each step's forward pass and overhead; the prefill left
-    out), so that a short run compares with a long one."""
-    seconds = sum(e.forward_ms + e.overhead_ms for e in events) / 1e3
-    return sum(len(e.new_tokens) for e in events) / seconds if seconds > 0 else 0.0
+from tr_core.stats import Spread, median_round, speedup
 
 
 def ms_per_step(events: Sequence[StepEvent]) -> float:
@@ -28,9 +21,10 @@ def ms_per_step(events: Sequence[StepEvent]) -> float:
 class Baseline:
     """Plain decoding's speed on this machine, measured in the session, and where the number comes from."""
 
-    tokens_per_s: float  # over its decoding steps, the prefill left out
-    ms_per_token: float
-    source: str  # e.g. "measured on your prompt right after your run (24 tokens)"
+    tokens_per_s: float  # over the whole answer, prefill included (tr_core.stats.SPEEDUP_DEFINITION)
+    ms_per_token: float  # its decoding steps' mean time
+    source: str  # e.g. "one plain decoding of your prompt to the same 64 tokens, right after your run"
+    identical: bool | None = None  # whether plain decoding gave the run's very tokens
 
 
 @dataclass(frozen=True)
@@ -86,8 +80,7 @@ def race_summary(rounds: Mapping[str, Sequence[RaceRun]]) -> dict[str, RaceSumma
     summary = {}
     for method, runs in rounds.items():
         typical = median_run(runs)
-        speedups = [r.rates.tokens_per_s / p.rates.tokens_per_s if p.rates.tokens_per_s else 0.0
-                    for r, p in zip(runs, plain)]
+        speedups = [speedup(r.rates.tokens_per_s, p.rates.tokens_per_s) for r, p in zip(runs, plain)]
         costs = [ms_per_step(r.events) / ms_per_step(p.events) if ms_per_step(p.events) else 0.0
                  for r, p in zip(runs, plain)]
         summary[method] = RaceSummary(method, len(runs), Spread.of([r.rates.tokens_per_s for r in runs]),

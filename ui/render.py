@@ -16,7 +16,7 @@ from typing import Collection, Mapping, Sequence
 
 from tr_core.events import TOKENS_PER_PASS, Rates, StepEvent
 from tr_core.methods import METHODS
-from tr_core.stats import first_difference
+from tr_core.stats import SPEEDUP_DEFINITION, first_difference, speedup
 
 from .records import Baseline, RaceRun, RaceSummary, race_summary
 
@@ -81,25 +81,27 @@ ANSWER_LEGEND = ('<div class="tr-legend"><span class="tr-draft">accepted draft t
                  "unmarked text came one token per decoding step. Hover a step for its count.</div>")
 
 
-def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline | None = None,
-                  speed: float = 0.0) -> str:
-    """The live counters after a step: ``c`` counts the time spent inside the decoder (prefill included), not
-    drawing the page, so its tokens/s compares with the command line's. With a ``baseline``, plain decoding's speed
-    on this machine beside the run's own ``speed`` over its decoding steps (both without the prefill)."""
+def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline | None = None) -> str:
+    """The live counters after a step: ``c`` counts the time spent inside the decoder, prefill included, not
+    drawing the page. With a ``baseline``, plain decoding's speed on the same prompt and answer length and the
+    speedup (``tr_core.stats.SPEEDUP_DEFINITION``, as the race and the benchmark compute it): one tokens/s figure
+    per method."""
     stats = [("steps", str(c.steps), "decoding steps (forward passes)"),
              ("tokens", str(c.tokens), "tokens produced"),
              ("tokens_per_pass", f"{c.mean_accepted_tokens:.2f}", TOKENS_PER_PASS),
-             ("tokens_per_s", f"{c.tokens_per_s:.1f}", "tokens/s (decoding time, prefill included)")]
+             ("tokens_per_s", f"{c.tokens_per_s:.1f}", "tokens/s, this run (whole answer, prefill included)")]
     if baseline is not None:
-        ratio = speed / baseline.tokens_per_s if baseline.tokens_per_s else 0.0
-        stats += [("plain_tokens_per_s", f"{baseline.tokens_per_s:.1f}", "tokens/s of plain decoding here "
-                   "(prefill left out)"),
-                  ("speedup", f"{ratio:.2f}×", f"plain decoding's speed (this run: {speed:.1f} tokens/s, prefill "
-                   "left out)")]
+        stats += [("plain_tokens_per_s", f"{baseline.tokens_per_s:.1f}", "tokens/s of plain decoding, same prompt "
+                   "and length"),
+                  ("speedup", f"{speedup(c.tokens_per_s, baseline.tokens_per_s):.2f}×", "plain decoding's speed")]
     tiles = "".join(f'<div class="tr-stat" data-key="{key}" data-value="{value.rstrip("×")}"><b>{value}</b>'
                     f"<span>{escape(name)}</span></div>" for key, value, name in stats)
-    about = (f'<div class="tr-baseline">Plain decoding: {baseline.ms_per_token:.1f} ms per token, '
-             f"{escape(baseline.source)}.</div>") if baseline is not None else ""
+    about = ""
+    if baseline is not None:
+        same = {True: " It gave the very same tokens.", False: " Its tokens DIFFER from this run's."}.get(
+            baseline.identical, "")
+        about = (f'<div class="tr-baseline">Plain decoding: {escape(baseline.source)}; {baseline.ms_per_token:.1f} '
+                 f"ms per decoding step.{same} Speedup: {escape(SPEEDUP_DEFINITION)}.</div>")
     line = " · ".join(escape(part) for part in (status, note) if part)
     return f'<div class="tr-counters">{tiles}</div>{about}<div class="tr-status">{line}</div>'
 

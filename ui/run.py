@@ -7,11 +7,12 @@
     run.stop()                          # from another request: the run ends after its current step
 
 A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
-``session.history``; a finished run then measures plain decoding on the same prompt (a short run), so that the page
-shows plain's speed on this machine beside the run's. A ``Race`` measures plain decoding and the methods the user
-picked (by default Prompt Lookup, Token Recycling and the best extension beyond the paper) in rounds: each round runs
-every method once, one after another, in an order rotated per round, each matrix method from a fresh copy of that
-matrix; it leaves ``session.race``. Reading a record (the step slider, the replay, ``/trace``) needs no model.
+``session.history``; a finished run then decodes the same prompt to the same length with plain decoding, so that the
+page gives the speedup as the race and the benchmark define it (``tr_core.stats.speedup``). A ``Race`` measures
+plain decoding and the methods the user picked (by default Prompt Lookup, Token Recycling and the best extension
+beyond the paper) in rounds: each round runs every method once, one after another, in an order rotated per round,
+each matrix method from a fresh copy of one matrix; it leaves ``session.race``. Reading a record (the step slider,
+the replay, ``/trace``) needs no model.
 """
 
 from __future__ import annotations
@@ -22,24 +23,23 @@ from typing import Callable, Iterator
 
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
+from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
 from tr_core.speed.kernels import mode_dtype
 from tr_core.tree import load_template
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
-from .records import Baseline, RaceRun, decoding_speed, median_run, ms_per_step
+from .records import Baseline, RaceRun, median_run, ms_per_step
 from .render import method_label
-from .session import LiveRecord, RaceRecord, Session
+from .session import LiveRecord, RaceRecord, Session, starting_matrix
 from .settings import DEFAULT_RACE, Settings
+from .summaries import run_summary
 
 RACE_METHODS = ("plain",) + DEFAULT_RACE  # the race's lanes before the user picks
 # Each method runs this many times in a race, interleaved: on a shared CPU one run's speed drifts by up to 2x within
 # minutes, so the page gives the median and the range
 RACE_ROUNDS = 3
-# The plain run measured after a live run, for its baseline: its first this-many tokens (the speed of a decoding step
-# barely changes over a few dozen tokens of context)
-BASELINE_TOKENS = 32
 
 
 def tree_for(method: str, tree: str) -> str:
@@ -116,8 +116,6 @@ class Stoppable:
 class _ModelRun(Stoppable):
     """What a live run and a race share: the settings, the loaded model, the run's engine, matrix and prompt."""
 
-    keep_matrix = True  # False: run on a copy of the session's matrix
-
     def __init__(self, session: Session, models: ModelCache, settings: Settings):
         self.session, self.models, self.settings = session, models, settings
 
@@ -131,11 +129,17 @@ class _ModelRun(Stoppable):
         self.base = self.models.get(s.model_id, s.mode)
         tree = tree_for(s.method, s.tree)
         engine = self._configured(s.method, tree)
-        self.matrix, self.about_matrix = self.session.matrix_for(engine, s.model_id, s.hot_start, self.keep_matrix)
+        self.matrix, self.about_matrix = self._matrix(engine)
         self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
+        self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
         self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
                             f"{tree_note(engine, tree)}; adjacency matrix: {self.about_matrix}")
+
+    def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
+        """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
+        s = self.settings
+        return self.session.matrix_for(engine, s.model_id, s.hot_start)
 
     @property
     def hidden(self) -> tuple[str, ...]:
@@ -173,7 +177,8 @@ class LiveRun(_ModelRun):
         ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
         s = self.settings
         teaches = s.hot_start and METHODS[s.method].uses_matrix  # plain, pld and suffix leave the matrix as it was
-        self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden)
+        self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden,
+                                              s.prompt.text)
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method, sampling=s.sampling)
         while not self.stopped:
@@ -197,6 +202,9 @@ class LiveRun(_ModelRun):
         if events and not self.stopped:
             yield Snapshot(events, rates, self.note, measuring_baseline=True)
             self.record.baseline = self.baseline(events)
+        self.record.drafted_nothing = self.drafted_nothing
+        self.record.summary = run_summary(s.method, tree_for(s.method, s.tree), events, rates, self.record.baseline,
+                                          self.matrix_history)
         yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
                        drafted_nothing=self.drafted_nothing)
 
@@ -209,18 +217,21 @@ class LiveRun(_ModelRun):
                 and all(len(e.tree_tokens) == 1 for e in events))
 
     def baseline(self, events: list[StepEvent]) -> Baseline | None:
-        """Plain decoding's speed on this machine: the run itself if it was plain decoding, else a short plain run
-        of the same prompt, measured now (unless Stop came first)."""
+        """Plain decoding's speed on this machine, measured as the race measures it (``tr_core.stats.speedup``): the
+        run itself if it was plain decoding, else plain decoding of the same prompt to the same answer length,
+        measured now, once (unless Stop came first)."""
         if self.settings.method == "plain":
-            return Baseline(decoding_speed(events), ms_per_step(events), "this run itself is plain decoding")
-        n = min(BASELINE_TOKENS, sum(len(e.new_tokens) for e in events))
-        plain = []
+            return Baseline(events[-1].rates.tokens_per_s, ms_per_step(events), "this run itself is plain decoding",
+                            True)
+        n, plain = sum(len(e.new_tokens) for e in events), []
         for event in self.engine.stream(self.ids, n, method="plain", sampling=self.settings.sampling):
             plain.append(event)
             if self.stopped:
                 return None
-        return Baseline(decoding_speed(plain), ms_per_step(plain),
-                        f"measured on your prompt right after your run ({len(plain)} tokens, in this session)")
+        same = [t for e in plain for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
+        return Baseline(plain[-1].rates.tokens_per_s, ms_per_step(plain),
+                        f"one plain decoding of your prompt to the same {n} tokens, right after your run (once: the "
+                        f"race measures in rounds)", same)
 
     def _name_tokens(self, event: StepEvent) -> None:
         """Add the text of the tokens this step names that the record has not named yet (outside the timed
@@ -261,11 +272,10 @@ def round_order(methods: tuple[str, ...], round_index: int) -> tuple[str, ...]:
 class Race(_ModelRun):
     """Plain decoding and the picked methods measured in ``rounds`` rounds: each round runs every method once, one
     after another (``round_order``), each alone on the CPU. Every run of a matrix method starts from its own fresh
-    copy of the session's matrix: measuring does not teach it, no method starts from what another taught, and no
+    copy of the race's matrix (``Settings.race_matrix``: the shipped hot start by default, else the session's):
+    measuring does not teach it, no method starts from what another taught, and no
     round from what an earlier round taught. What does carry over is what the engine learns about sizing trees on
     this machine (measured step times), as between live runs. The record goes to ``session.race``."""
-
-    keep_matrix = False
 
     def __init__(self, session: Session, models: ModelCache, settings: Settings, rounds: int = RACE_ROUNDS):
         super().__init__(session, models, settings)
@@ -275,9 +285,24 @@ class Race(_ModelRun):
     def methods(self) -> tuple[str, ...]:
         return ("plain",) + self.settings.race_methods  # checked: never plain again
 
+    def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
+        """The matrix every method starts from, in every round (each run on its own copy): by default the shipped
+        hot start, the same whatever this session ran before; with ``race_matrix="session"``, the session's."""
+        s = self.settings
+        if s.race_matrix == "session" or not s.hot_start:
+            matrix, about = self.session.matrix_for(engine, s.model_id, s.hot_start, keep=False)
+            return matrix, about
+        return starting_matrix(engine, True)
+
     def prepare(self) -> None:
         super().prepare()
         s = self.settings
+        if s.race_matrix == "shipped" and s.hot_start:
+            self.start = "shipped"
+            self.matrix_history = ("the same matrix for every method, whatever your runs taught yours: "
+                                   f"{self.about_matrix}")
+        else:
+            self.matrix_history = f"a copy of your session's matrix: {self.matrix_history}"
         self.engines = {m: self._configured(m, tree_for(m, s.tree)).with_matrix(self.matrix.clone())
                         for m in self.methods}
 
@@ -316,5 +341,5 @@ class Race(_ModelRun):
             tr = METHODS[method].uses_matrix
             self.session.record(f"race: {method}", tree_for(method, s.tree) if tr else "-", s.top_k if tr else "-",
                                 self.start if tr else "-", run.rates)
-        self.session.race = RaceRecord(runs, s.tree, self.about_setup, rounds, self.hidden)
+        self.session.race = RaceRecord(runs, s.tree, self.about_setup, rounds, self.hidden, self.matrix_history)
         yield RaceProgress(f"Measured{about_prompt}.", runs, done=True, rounds=rounds)

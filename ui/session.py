@@ -7,6 +7,7 @@ run and race as finished records, and a summary of every run. Runs themselves li
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def starting_matrix(engine: Engine, hot_start: bool, folder: Path = HOT_START_DI
     return AdjacencyMatrix(vocab, k), f"cold start: no shipped matrix fits ({reasons[0]})"
 
 
+def prompt_digest(prompt: str) -> str:
+    """A short key for a prompt's text: the session counts runs per prompt without keeping every prompt."""
+    return hashlib.sha1(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 @dataclass
 class LiveRecord:
     """A finished (or stopped) live run: everything the step slider, the player and ``/trace`` show, with no model.
@@ -49,6 +55,8 @@ class LiveRecord:
     names: dict[int, str]
     hidden: tuple[str, ...] = ()  # the tokenizer's special tokens, not shown in the answer
     baseline: Baseline | None = None  # plain decoding's speed, measured beside the run
+    summary: dict | None = None  # the finished run's figures (``ui.summaries.run_summary``)
+    drafted_nothing: bool = False  # the auto tree stayed empty at every step: the run was plain decoding
 
     def token_text(self, token: int) -> str:
         return self.names.get(token, f"#{token}")
@@ -64,6 +72,7 @@ class RaceRecord:
     note: str  # what Token Recycling ran with: mode, tree, matrix
     rounds: dict[str, list[RaceRun]] = field(default_factory=dict)
     hidden: tuple[str, ...] = ()  # the tokenizer's special tokens, not shown in the lanes
+    matrix_history: str = ""  # what the matrix every method started from had seen
 
 
 @dataclass
@@ -74,6 +83,7 @@ class Session:
     matrix_key: tuple[str, int] | None = None  # (model id, k) the matrix belongs to
     matrix_origin: str = ""
     runs_on_matrix: int = 0  # live runs that taught the matrix since it started
+    prompt_runs: dict[str, int] = field(default_factory=dict)  # of those, how many per prompt (by digest)
     live: LiveRecord | None = None
     race: RaceRecord | None = None
     history: list[dict] = field(default_factory=list)
@@ -89,7 +99,7 @@ class Session:
         key = (model_id, engine.config.top_k)
         if self.matrix is None or self.matrix_key != key:
             self.matrix, self.matrix_origin = starting_matrix(engine, True)
-            self.matrix_key, self.runs_on_matrix = key, 0
+            self.matrix_key, self.runs_on_matrix, self.prompt_runs = key, 0, {}
         taught = f", then taught by your {self.runs_on_matrix} earlier run{'s' * (self.runs_on_matrix != 1)}"
         return (self.matrix if keep else self.matrix.clone()), self.matrix_origin + (taught if self.runs_on_matrix
                                                                                      else "")
@@ -101,13 +111,26 @@ class Session:
         shipped = "shipped" if self.matrix_origin.startswith("hot") else "empty"
         return f"{shipped} + {self.runs_on_matrix} runs" if self.runs_on_matrix else shipped
 
-    def begin_live(self, model_id: str, mode: str, tree: str, hot_start: bool, hidden: tuple[str, ...] = ()
-                   ) -> LiveRecord:
+    def matrix_history(self, prompt: str, hot_start: bool) -> str:
+        """What the session's matrix has seen before a run on ``prompt``: ``"the shipped hot start + 3 runs of yours,
+        1 on this prompt"``."""
+        if not hot_start:
+            return "an empty matrix (hot start off): nothing seen before"
+        start = "the shipped hot start" if self.matrix_origin.startswith("hot") else "an empty matrix"
+        if not self.runs_on_matrix:
+            return f"{start}, no run of yours yet"
+        same = self.prompt_runs.get(prompt_digest(prompt), 0)
+        return f"{start} + {self.runs_on_matrix} run{'s' * (self.runs_on_matrix != 1)} of yours, {same} on this prompt"
+
+    def begin_live(self, model_id: str, mode: str, tree: str, hot_start: bool, hidden: tuple[str, ...] = (),
+                   prompt: str = "") -> LiveRecord:
         """A live run starts: its record replaces the latest one and fills as it decodes; a run on the hot-started
-        matrix counts as one that taught it."""
+        matrix counts as one that taught it (and on which prompt)."""
         self.live = LiveRecord(model_id, mode, tree, [], {}, hidden)
         if hot_start:
             self.runs_on_matrix += 1
+            digest = prompt_digest(prompt)
+            self.prompt_runs[digest] = self.prompt_runs.get(digest, 0) + 1
         return self.live
 
     def trace(self) -> dict:

@@ -1,7 +1,8 @@
 """A run's settings, as the page's controls give them, each checked (``ui.inputs``), and the draft trees a user may
 pick.
 
-    settings = Settings.check(prompt, 64, "small", 8, True, "", "exact", trees=tree_names())
+    settings = Settings.check(prompt=prompt, max_new_tokens=64, tree="small", top_k=8, hot_start=True, model_id="",
+                              mode="exact", trees=tree_names())
     settings.max_new_tokens                     # 64
     settings.method, settings.race_methods      # "tr", ("pld", "tr", ...): Live's method, the race's beside plain
 """
@@ -51,18 +52,21 @@ class Settings:
     race_methods: tuple[str, ...] = ()  # what the race measures beside plain decoding
     sampling: Sampling = Sampling()  # greedy unless a temperature is set
 
+    race_matrix: str = "shipped"  # what the race's every method starts from: RACE_MATRICES
+
     @classmethod
-    def check(cls, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method="tr",
-              race_methods=None, temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, *, trees: list[str],
+    def check(cls, *, prompt, max_new_tokens, tree, top_k, hot_start, model_id, mode, method="tr", race_methods=None,
+              race_matrix="shipped", temperature=0.0, top_p=1.0, sample_top_k=0, seed=0, trees: list[str],
               allow_local_models: bool = False) -> "Settings":
-        """The settings a request brings, in the order of the page's controls; ``InputError`` names the first that
-        is refused."""
+        """The settings a request brings, by name as the page's controls and the API call them; ``InputError``
+        names the first that is refused."""
         return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
                    check_choice(tree, "draft tree", trees), check_number(top_k, "k: candidates per row", TOP_K),
                    check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
                    check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(NAMES)),
                    check_race_methods(DEFAULT_RACE if race_methods is None else race_methods),
-                   check_sampling(temperature, top_p, sample_top_k, seed))
+                   check_sampling(temperature, top_p, sample_top_k, seed),
+                   check_choice(race_matrix, "race matrix", list(RACE_MATRICES)))
 
 
 def check_sampling(temperature, top_p, sample_top_k, seed) -> Sampling:
@@ -77,6 +81,10 @@ def check_sampling(temperature, top_p, sample_top_k, seed) -> Sampling:
 # extension beyond the paper as this project's benchmark measured it (README)
 DEFAULT_RACE = ("pld", "tr", "tr-context")
 RACE_CHOICES = tuple(n for n in NAMES if n != "plain")
+# What every matrix method of a race starts from: by default the same shipped hot start for each (so that a race
+# measures the method, not what this session's runs taught the matrix); optionally a copy of the session's matrix
+RACE_MATRICES = {"shipped": "the shipped hot start, the same for every method",
+                 "session": "a copy of your session's matrix (what your live runs taught it)"}
 
 
 def check_race_methods(value) -> tuple[str, ...]:

@@ -56,7 +56,7 @@ from ..spec_bench import Question, load_questions, stratified
 from ..speed.calibrate import context_curve, context_weights, describe_context, interpolate
 from ..speed.kernels import mode_dtype
 from ..speed.layouts import cpu_name
-from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, compare, median_round
+from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, SPEEDUP_DEFINITION, compare, median_round
 from ..stats import first_difference as first_difference_at
 from .report import report
 from .results import (
@@ -359,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                        "across questions); every round of a question starts Token Recycling from the matrix held "
                        "before the question, and the first round's matrix is carried on; a method's time on a "
                        "question is its median round (of an even count, the faster middle one)",
-        "speedup_median_note": "speedup_median: the median over questions of a method's tokens/s / plain's on the "
-                               "same question; speedup_ci95: its percentile-bootstrap interval over questions; "
+        "speedup_definition": SPEEDUP_DEFINITION,
+        "speedup_median_note": "speedup_median: the median over questions of a method's speedup (speedup_definition) "
+                               "on each question; speedup_ci95: its percentile-bootstrap interval over questions; "
                                "verdict: faster / slower only where the interval excludes 1",
         "bootstrap": {**BOOTSTRAP, "min_questions_for_verdict": MIN_QUESTIONS_FOR_VERDICT},
     }}

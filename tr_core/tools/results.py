@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..speed import interpolate
-from ..stats import compare
+from ..stats import compare, speedup
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Record:
 def ratios(records: Sequence[Record], against: Sequence[Record]) -> list[float]:
     """Per question, a method's tokens/s over another's on the same question (``records``' order)."""
     base = {r.question_id: r.tokens / r.seconds for r in against}
-    return [r.tokens / r.seconds / base[r.question_id] for r in records]
+    return [speedup(r.tokens / r.seconds, base[r.question_id]) for r in records]
 
 
 def pairwise(records: dict[str, list[Record]], categories: Sequence[str]) -> list[dict]:
