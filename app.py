@@ -86,10 +86,10 @@ FIGURE_EVERY_S = 0.75
 REPLAY_FRAME_S = 0.1
 PLAY_EVERY_S = 0.8
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
-# The tree fitted to the model and this machine, which resizes itself by the step times it measures: the tree that
-# pays here. Where no tree pays (a small CPU), it is empty and the run is plain decoding: the page then says so and
-# offers WATCH_TREE, a tree to watch at work.
-DEFAULT_TREE = "auto"
+# A tree worth watching: the small template branches at every level, and the status line says what a tree of its
+# size is predicted to run at here against the size that pays most on this machine (tree "auto", fitted by
+# measurement; on a small CPU often one or two nodes, a tree too small to watch). README and page agree.
+DEFAULT_TREE = "small"
 # exact: fp32; fast: a separate copy of the model, loaded on first use, in the half-precision format measured fastest
 # here among the row-invariant ones (tr_core.speed.layouts); in both every method's output equals plain decoding's in
 # that mode, token for token (tr_core/speed/attention.py); the status says which format and whether this CPU allowed

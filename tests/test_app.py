@@ -239,6 +239,11 @@ def test_the_tree_note_says_what_the_run_drafts_with():
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "auto") == \
         "tree auto: no acceptance statistics for this model, so the small tree (12 draft nodes)"
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "small") == "tree small: 12 draft nodes"
+    table = [dict(nodes=n, predicted_speedup=1.3 - 0.01 * n) for n in range(1, 20)]  # stubbed predictions
+    best = SimpleNamespace(table=table, tree=SimpleNamespace(size=3), predicted_speedup=1.27)
+    assert tree_note(SimpleNamespace(tree=small, fitted=None), "small", best) == (
+        "tree small: 12 draft nodes (a tree of its size is predicted at 1.17× plain decoding per step here; the size "
+        "that pays most here, 2 draft nodes (tree auto), at 1.27×)")
     empty = SimpleNamespace(tree=SimpleNamespace(size=1, name="auto"), fitted=fitted, adaptive=False)
     assert tree_note(empty, "auto").startswith("tree auto: no draft nodes to start with: on this machine, verifying")
     assert tree_note(empty, "auto").endswith(
@@ -332,6 +337,10 @@ def test_a_session_keeps_its_matrix_across_runs(tiny_folder):
     assert s.begin_live("", "exact", "small", hot_start=True) is s.live and s.runs_on_matrix == 1
     again, note = s.matrix_for(small.with_config(tree="tiny"), "", hot_start=True)
     assert again is s.matrix and note.endswith("then taught by your 1 earlier run")
+    _, note = s.matrix_for(small, "", hot_start=True, prompt="")  # the run above was on the prompt ""
+    assert note.endswith("then taught by your 1 earlier run, 1 of them on this prompt")
+    assert s.matrix_for(small, "", hot_start=True, prompt="other")[1].endswith("0 of them on this prompt")
+    assert s.matrix_history("", True) == "an empty matrix + 1 run of yours, 1 on this prompt"
     copy, _ = s.matrix_for(small, "", hot_start=True, keep=False)  # the race measures on a copy
     assert copy is not s.matrix and torch.equal(copy.rows, s.matrix.rows)
     cold, note = s.matrix_for(small, "", hot_start=False)
@@ -486,7 +495,8 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     from_session = Race(session, tiny_models, settings(race_matrix="session"))
     from_session.prepare()  # the option: a copy of what the session's live run taught
     assert torch.equal(from_session.matrix.rows, taught) and from_session.matrix is not session.matrix
-    assert from_session.matrix_history == "a copy of your session's matrix: an empty matrix + 1 run of yours, 1 on this prompt"
+    assert from_session.matrix_history == ("a copy of your session's matrix: an empty matrix + 1 run of yours, 1 on "
+                                           "this prompt")
     race = Race(session, tiny_models, settings())
     race.prepare()  # the default: the same starting matrix for every method, whatever the session's runs taught
     fresh, about = starting_matrix(race.engine, True)
@@ -796,7 +806,8 @@ def test_a_narrow_screen_gets_the_figures_compact_layout():
     assert narrow["draft_tree"].layout.title.text == tree_figure(hand_event(), text, compact=True).layout.title.text
     assert wide["draft_tree"].layout.title.text == tree_figure(hand_event(), text).layout.title.text
     assert narrow["matrix_rows"].layout.height == matrix_figure(hand_event(), text, compact=True).layout.height
-    assert narrow["draft_tree"].layout.title.text != wide["draft_tree"].layout.title.text  # the compact title wraps sooner
+    # the compact title wraps sooner
+    assert narrow["draft_tree"].layout.title.text != wide["draft_tree"].layout.title.text
     assert handlers.viewport("yes", session).narrow is False  # anything but True is a wide screen
 
 
@@ -812,3 +823,17 @@ def test_every_output_of_the_api_has_a_name_a_programmer_reads(client):
     params = [p["parameter_name"] for p in endpoints["/race"]["parameters"]]
     assert params == ["prompt", "max_new_tokens", "tree", "top_k", "hot_start", "model_id", "mode", "race_methods",
                       "temperature", "top_p", "sample_top_k", "seed", "race_matrix"]
+
+
+def test_the_readmes_race_helper_runs_against_the_app(served, capsys):
+    """The README's gradio_client example, as written (with 8 tokens instead of 64, to keep the suite short)."""
+    block = re.search(r"```python\n(from gradio_client import Client\n.*?)```", (ROOT / "README.md").read_text(),
+                      re.S).group(1)
+    code = block.replace("http://127.0.0.1:7860/", served)
+    code = code.replace("max_new_tokens: int = 64", "max_new_tokens: int = 8")
+    assert code.count(served) == 1 and "max_new_tokens: int = 8" in code
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed[:3]] == ["plain", "pld", "tr"]
+    assert all(re.search(r"[\d.]+ tok/s  [\d.]+x  identical: True$", line) for line in printed[:3]), printed
+    assert printed[3].startswith("Token Recycling ran at")

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
+from tr_core.fitting import auto_tree, has_acceptance_stats
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
 from tr_core.speed.kernels import mode_dtype
@@ -48,13 +49,13 @@ def tree_for(method: str, tree: str) -> str:
     return AUTO if METHODS[method].beyond_paper else tree
 
 
-def tree_note(engine: Engine, requested: str) -> str:
+def tree_note(engine: Engine, requested: str, fitted=None) -> str:
     """What tree a run drafts with, e.g. ``"tree auto: starts at 9 draft nodes fitted to this machine (predicted 1.3×
     over plain decoding, per step over a 256-token context), then sizes each step's tree by the step times it
     measures (...)"``."""
     nodes = f"{engine.tree.size - 1} draft node{'s' * (engine.tree.size != 2)}"
     if requested != AUTO:
-        return f"tree {requested}: {nodes}"
+        return f"tree {requested}: {nodes}{against_best(engine.tree.size, fitted)}"
     fitted = engine.fitted
     if fitted is None:
         return f"tree auto: no acceptance statistics for this model, so the {engine.tree.name} tree ({nodes})"
@@ -67,6 +68,33 @@ def tree_note(engine: Engine, requested: str) -> str:
     where = f", per step over a {fitted.context}-token context" if isinstance(fitted.context, int) else ""
     fit = f"fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where})"
     return f"tree auto: starts at {nodes} {fit}{adapts}" if engine.adaptive else f"tree auto: {nodes} {fit}"
+
+
+def fitted_here(engine: Engine):
+    """The tree fitted to the model on this machine (shipped acceptance statistics, t(N) measured here), whatever
+    tree the run drafts with; ``None`` for a model without statistics."""
+    if engine.fitted is not None:
+        return engine.fitted
+    return auto_tree(engine.model, context=engine.config.fit_context) if has_acceptance_stats(engine.model) else None
+
+
+def against_best(size: int, fitted) -> str:
+    """For a tree the user picked (``size`` nodes, root included): what a tree of its size is predicted to run at
+    here, per step, against the size that pays most on this machine (``fitted``); ``""`` where nothing was fitted.
+
+    >>> from types import SimpleNamespace as NS
+    >>> table = [dict(nodes=n, predicted_speedup=s) for n, s in [(1, 1.0), (2, 1.25), (3, 1.2)]]
+    >>> note = against_best(3, NS(table=table, tree=NS(size=2), predicted_speedup=1.25))
+    >>> "a tree of its size is predicted at 1.20×" in note, "most here, 1 draft node (tree auto), at 1.25×)" in note
+    (True, True)
+    """
+    mine = next((row for row in fitted.table if row["nodes"] == size), None) if fitted else None
+    if mine is None:
+        return ""
+    best = fitted.tree.size - 1
+    return (f" (a tree of its size is predicted at {mine['predicted_speedup']:.2f}× plain decoding per step here; "
+            f"the size that pays most here, {best} draft node{'s' * (best != 1)} (tree auto), at "
+            f"{fitted.predicted_speedup:.2f}×)")
 
 
 class Every:
@@ -134,12 +162,12 @@ class _ModelRun(Stoppable):
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
         self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
-                            f"{tree_note(engine, tree)}; adjacency matrix: {self.about_matrix}")
+                            f"{tree_note(engine, tree, fitted_here(engine))}")
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
         """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
         s = self.settings
-        return self.session.matrix_for(engine, s.model_id, s.hot_start)
+        return self.session.matrix_for(engine, s.model_id, s.hot_start, prompt=s.prompt.text)
 
     @property
     def hidden(self) -> tuple[str, ...]:
@@ -170,7 +198,7 @@ class LiveRun(_ModelRun):
     @property
     def note(self) -> str:
         """What the run drafts with: the prompt's cut, the mode, the tree, the matrix."""
-        return "; ".join(filter(None, [self.about_prompt, self.about_setup]))
+        return "; ".join(filter(None, [self.about_prompt, self.about_setup, f"adjacency matrix: {self.about_matrix}"]))
 
     def snapshots(self) -> Iterator[Snapshot]:
         """Decode, one snapshot per step (a finished run's last step comes as the final snapshot). The record in

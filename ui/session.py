@@ -89,11 +89,12 @@ class Session:
     history: list[dict] = field(default_factory=list)
     narrow: bool = False  # the page is on a narrow screen (a phone): figures in their compact layout
 
-    def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, keep: bool = True
+    def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, keep: bool = True, prompt: str | None = None
                    ) -> tuple[AdjacencyMatrix, str]:
         """The matrix a run on ``engine`` drafts from, and a line about it. With hot start, this session's matrix
         (started from the shipped one, then taught by this session's runs); ``keep=False`` gives a copy, so that a
-        measurement does not teach it. Without hot start, an empty matrix."""
+        measurement does not teach it; with ``prompt``, the line counts the earlier runs on it. Without hot start, an
+        empty matrix."""
         if not hot_start:
             return starting_matrix(engine, False)
         key = (model_id, engine.config.top_k)
@@ -101,6 +102,8 @@ class Session:
             self.matrix, self.matrix_origin = starting_matrix(engine, True)
             self.matrix_key, self.runs_on_matrix, self.prompt_runs = key, 0, {}
         taught = f", then taught by your {self.runs_on_matrix} earlier run{'s' * (self.runs_on_matrix != 1)}"
+        if prompt is not None:
+            taught += f", {self.prompt_runs.get(prompt_digest(prompt), 0)} of them on this prompt"
         return (self.matrix if keep else self.matrix.clone()), self.matrix_origin + (taught if self.runs_on_matrix
                                                                                      else "")
 
