@@ -122,6 +122,7 @@ APP_CSS = """
 .tr-lanes { grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)) !important; }
 .tr-table-wrap { overflow-x: auto; }
 @media (max-width: 640px) {
+  .js-plotly-plot .modebar-container { display: none !important; }  /* on a phone it covered the figures' titles */
   #intro h1 { font-size: 22px; margin-bottom: 4px; }
   #intro p { font-size: 13px; }
   .tr-stat { padding: 2px 8px; }
@@ -313,17 +314,18 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
             c["example"] = gr.Dropdown([(label, i) for i, label in enumerate(example_labels)], value=None,
                                        label="…or take a Spec-Bench question (one per category)",
                                        elem_id=f"{prefix}example")
-            with gr.Row(elem_classes="tr-sampling"):
+            with gr.Accordion("Sampling: greedy unless you set a temperature", open=False), \
+                    gr.Row(elem_classes="tr-sampling"):
                 c["temperature"] = gr.Slider(TEMPERATURE[0], TEMPERATURE[1], value=0.0, step=0.05,
                                              label="Temperature (0 = greedy)", elem_id=f"{prefix}temperature",
-                                             min_width=140)
+                                             min_width=160)
                 c["top_p"] = gr.Slider(0.05, TOP_P[1], value=1.0, step=0.05, label="Top-p (1 = off)",
-                                       elem_id=f"{prefix}top-p", min_width=120)
+                                       elem_id=f"{prefix}top-p", min_width=160)
                 c["sample_top_k"] = gr.Number(0, label="Top-k filter (0 = off; not the matrix's k)", precision=0,
                                               minimum=SAMPLE_TOP_K[0], maximum=SAMPLE_TOP_K[1],
-                                              elem_id=f"{prefix}sample-top-k", min_width=120)
+                                              elem_id=f"{prefix}sample-top-k", min_width=160)
                 c["seed"] = gr.Number(0, label="Seed", precision=0, minimum=SEED[0], maximum=SEED[1],
-                                      elem_id=f"{prefix}seed", min_width=90)
+                                      elem_id=f"{prefix}seed", min_width=160)
         with gr.Column(scale=2, min_width=300):
             c["tree"] = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id=f"{prefix}tree")
             c["max_new"] = gr.Slider(8, MAX_NEW_TOKENS[1], value=64, step=8, label="Max new tokens",
@@ -450,13 +452,23 @@ def run_inputs(tab: dict, session: gr.State, *own: str) -> dict:
             **{name: panel[key] for name, key in SAMPLING.items()}, "session": session}
 
 
+# On Run, the answer comes into view (below the settings on a laptop's screen): the counters at the top where the
+# counters and the start of the answer fit the window, else the answer itself
+# (run in the browser before the request: it hands the inputs on unchanged)
+SHOW_ANSWER = """(...inputs) => { const c = document.getElementById('counters'), a = document.getElementById('answer');
+  if (c && a) {
+    const fits = a.getBoundingClientRect().top - c.getBoundingClientRect().top + 160 < window.innerHeight;
+    (fits ? c : a).scrollIntoView({behavior: 'instant', block: 'start'}); }
+  return inputs; }"""
+
+
 def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer) -> None:
     """The Live tab's events: run (and "watch the tree anyway"), stop, reset, the step slider and the player."""
     session, inputs = out["session"], run_inputs(live, out["session"], "method")
     outputs, after = [out[n] for n in LIVE_OUTPUTS], [out[n] for n in AFTER_LIVE_OUTPUTS]
     run = named(h.live, out)
     live["run"].click(run, inputs_kwargs=inputs, outputs=outputs, api_name="live", show_progress="hidden",
-                      **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
+                      js=SHOW_ANSWER, **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
     live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["panel"]["tree"], racing["panel"]["tree"]],
                         api_visibility="private").then(
         run, inputs_kwargs=inputs, outputs=outputs, show_progress="hidden", api_visibility="private", **MODEL_WORK,

@@ -393,6 +393,8 @@ def test_a_sampled_race_gives_every_method_plain_samplings_tokens(tiny_models):
         list(race.progress())
         rounds = race.session.race.rounds
         assert race.session.race.runs["tr"].events[0].sampling.startswith("sampled: T=1")
+        shown = race_table_html(rounds, race.decode, "small") + lanes_html(race.session.race.runs, None)
+        assert "plain decoding" in shown and "greedy" not in shown  # a sampled race's baseline is not greedy
         return {m: [run.token_ids for run in runs] for m, runs in rounds.items()}
 
     first = race_tokens((1.0, 0.95, 0, 11))
@@ -505,10 +507,10 @@ def test_a_race_measures_each_method_on_a_copy_of_the_matrix(tiny_models):
     progress = list(race.progress())
     # three rounds, interleaved, each in an order rotated by one
     assert [p.status.split(" (")[0].split(", alone")[0] for p in progress] == [
-        "Warming up", "Round 1 of 3, run 1 of 9: plain greedy decoding", "Round 1 of 3, run 2 of 9: Prompt Lookup "
+        "Warming up", "Round 1 of 3, run 1 of 9: plain decoding", "Round 1 of 3, run 2 of 9: Prompt Lookup "
         "Decoding", "Round 1 of 3, run 3 of 9: Token Recycling", "Round 2 of 3, run 4 of 9: Prompt Lookup Decoding",
-        "Round 2 of 3, run 5 of 9: Token Recycling", "Round 2 of 3, run 6 of 9: plain greedy decoding",
-        "Round 3 of 3, run 7 of 9: Token Recycling", "Round 3 of 3, run 8 of 9: plain greedy decoding",
+        "Round 2 of 3, run 5 of 9: Token Recycling", "Round 2 of 3, run 6 of 9: plain decoding",
+        "Round 3 of 3, run 7 of 9: Token Recycling", "Round 3 of 3, run 8 of 9: plain decoding",
         "Round 3 of 3, run 9 of 9: Prompt Lookup Decoding", "Measured."]
     assert progress[-1].done and list(session.race.runs) == ["plain", "pld", "tr"]
     assert {m: len(runs) for m, runs in session.race.rounds.items()} == {"plain": 3, "pld": 3, "tr": 3}
@@ -837,3 +839,20 @@ def test_the_readmes_race_helper_runs_against_the_app(served, capsys):
     assert [line.split()[0] for line in printed[:3]] == ["plain", "pld", "tr"]
     assert all(re.search(r"[\d.]+ tok/s  [\d.]+x  identical: True$", line) for line in printed[:3]), printed
     assert printed[3].startswith("Token Recycling ran at")
+
+
+@pytest.mark.load  # a comparison of two timings on a shared CPU: with the load tests, not in the fast tier
+def test_live_and_the_race_agree_on_one_speedup(client):
+    """The same prompt and settings through Live and the race: one speedup definition, and Live's speedup (one run
+    against one plain run of the same length) inside the race's range of rounds, widened by that range's spread."""
+    client.predict(api_name="/reset")  # Live from the shipped hot start, as the race starts every method
+    live = client.predict(PROMPT, 32, "small", 8, True, "", "exact", "tr", api_name="/live")[LIVE["run_summary"]]
+    race = client.predict(PROMPT, 32, "small", 8, True, "", "exact", ["tr"], api_name="/race")[-1]
+    assert live["speedup_definition"] == race["speedup_definition"] == SPEEDUP_DEFINITION
+    low, high = race["methods"]["tr"]["speedup_range"]
+    spread = high - low
+    print(f"live {live['speedup']:.2f}x; race {race['methods']['tr']['speedup']:.2f}x ({low:.2f}-{high:.2f})")
+    assert low - spread <= live["speedup"] <= high + spread, (live, race["methods"]["tr"])
+    assert live["tokens_per_forward_pass"] == race["methods"]["tr"]["tokens_per_forward_pass"]
+    assert live["matrix_history"] == "the shipped hot start, no run of yours yet"
+    assert race["matrix_history"].startswith("the same matrix for every method")

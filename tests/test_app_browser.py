@@ -73,6 +73,30 @@ def step_nodes(page, template: int) -> int:
     return int(drafted.group(1)) + 1 if drafted else 1
 
 
+def answer_in_view(page) -> bool:
+    """Whether the top of the answer box is inside the window, with room below it for a line or two."""
+    top, height = page.evaluate("() => [document.querySelector('#answer').getBoundingClientRect().top, "
+                                "window.innerHeight]")
+    return 0 <= top < height - 60
+
+
+def overlapping_cell_labels(page, figure: str) -> list:
+    """Pairs of the heatmap cells' labels in ``figure`` whose boxes overlap (axis ticks, titles, annotations and
+    the legend left out)."""
+    return page.evaluate("""f => {
+        const skip = '.xtick, .ytick, .gtitle, .annotation, .legend, .g-xtitle, .g-ytitle, .infolayer';
+        const boxes = [...document.querySelectorAll(f + ' .main-svg text')]
+            .filter(t => !t.closest(skip) && t.textContent.trim())
+            .map(t => [t.textContent, t.getBoundingClientRect()]);
+        const out = [];
+        for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+            const [a, r] = boxes[i], [b, q] = boxes[j];
+            if (r.left < q.right - 1 && q.left < r.right - 1 && r.top < q.bottom - 1 && q.top < r.bottom - 1)
+                out.push([a, b]);
+        }
+        return [boxes.length, out]; }""", figure)[1]
+
+
 def wait_for(page, predicate: str, timeout_s: float, arg=None):
     return page.wait_for_function(predicate, arg=arg, timeout=timeout_s * 1000)
 
@@ -96,7 +120,8 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.get_by_role("option", name=re.compile(r"^qa: ")).click()
     wait_for(page, "q => document.querySelector('#prompt textarea').value === q", 10, qa)
     page.locator("#prompt textarea").fill(PROMPT)
-    pick(page, "#tree", "small:")  # a fixed tree: every step draws the same nodes (auto resizes its tree)
+    # the default tree is small, a fixed tree: every step draws the same nodes (auto resizes its tree)
+    assert page.locator("#tree input").input_value().startswith("small: 12 draft nodes")
     tokens_box = page.locator("#max-new input[type=number]")
     tokens_box.fill(str(NEW_TOKENS))
     tokens_box.press("Enter")
@@ -110,6 +135,7 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     page.wait_for_selector("#answer .tr-step", timeout=60_000)
     print(f"first streamed token {time.perf_counter() - clicked:.2f} s after the click")
     page.screenshot(path=shots / "02_streaming.png")
+    assert answer_in_view(page), "Run brings the streaming answer into view"
     wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120)
     steps = page.locator("#answer .tr-step").count()
     status = page.locator("#counters .tr-status").inner_text()
@@ -144,6 +170,8 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     assert page.locator("#matrix-plot .js-plotly-plot").count() == 1
     assert page.locator("#step-plot .js-plotly-plot").count() == 1  # each decoding step against plain decoding
     page.screenshot(path=shots / "03_finished.png", full_page=True)
+    assert not overlapping_cell_labels(page, "#matrix-plot"), "two heatmap labels overlap"
+    assert "tree small: 12 draft nodes" in status and "predicted at" in status  # against the size that pays most
 
     # The step slider scrubs back: step 1's tree, and step 1 outlined in the answer
     slider = page.locator("#step input[type=range]")
@@ -257,4 +285,17 @@ def test_the_tabs_are_in_sight_on_a_phone(browser, served, shots):  # noqa: F811
     page.wait_for_selector("#race-run")
     assert page.locator("#race-prompt").is_visible()  # the race's own settings, in its tab
     page.screenshot(path=shots / "10_phone_race.png", full_page=True)
+    # a run on the phone: the answer comes into view, the figures' titles are not under a toolbar
+    page.get_by_role("tab", name="Live").click()
+    tokens_box = page.locator("#max-new input[type=number]")
+    tokens_box.fill("16")
+    tokens_box.press("Enter")
+    page.click("#run")
+    page.wait_for_selector("#answer .tr-step", timeout=60_000)
+    assert answer_in_view(page), "Run brings the streaming answer into view on a phone"
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120)
+    page.wait_for_timeout(1500)
+    assert page.locator(".modebar-container").evaluate_all("els => els.filter(e => e.offsetParent).length") == 0
+    assert not overlapping_cell_labels(page, "#matrix-plot"), "two heatmap labels overlap on a phone"
+    page.screenshot(path=shots / "11_phone_live.png", full_page=True)
     page.close()

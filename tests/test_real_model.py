@@ -54,3 +54,19 @@ def test_paper_tree_on_spec_bench_prompts(embedded):
           f"mean accepted tokens {mat:.2f}, identical to plain {identical}/{len(questions)}")
     assert identical >= 4
     assert mat > 1.2
+
+
+@pytest.mark.parametrize("prompt", ["Reply with five emoji only: 🚲🌍🎉", "用中文写一首关于自行车的短诗。",
+                                    "Translate to Japanese: good morning, friends 🌅"])
+def test_an_answer_cut_inside_a_character_shows_no_replacement_character(embedded, prompt):
+    """Emoji and CJK characters take several byte tokens: streamed, a character waits for its last byte; cut by the
+    token budget (8 and 13 tokens cut these answers inside one), it is left out rather than shown as U+FFFD."""
+    model, tokenizer = embedded
+    eos, ids = eos_token_ids(model, tokenizer), encode_prompt(tokenizer, prompt)
+    longest = run(model, ids, PlainDrafter(), 24, eos, TokenText(tokenizer))
+    for n in (8, 13):
+        result = run(model, ids, PlainDrafter(), n, eos, TokenText(tokenizer))
+        assert "\ufffd" not in result.text and all("\ufffd" not in e.new_text for e in result.events)
+        assert longest.text.startswith(result.text), "what is shown is what the longer answer goes on from"
+    cut = [n for n in (8, 13) if tokenizer.decode(longest.token_ids[:n]).endswith("\ufffd")]
+    assert cut, "the control: at least one of these budgets ends inside a character"

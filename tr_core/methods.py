@@ -24,7 +24,7 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("plain", "plain greedy decoding", "No draft: one token per forward pass.", False),
+    Method("plain", "plain decoding", "No draft: one token per forward pass (greedy, or sampled as set).", False),
     Method("pld", "Prompt Lookup Decoding",
            "Copies the tokens that followed the latest earlier occurrence of the last few tokens, as a chain.", False),
     Method("suffix", "Suffix decoding",

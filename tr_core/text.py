@@ -7,7 +7,8 @@ from transformers import PreTrainedTokenizerBase
 
 class TokenText:
     """Per-request text state. ``pieces`` decodes single tokens (cached); ``append`` returns the text that new
-    tokens add to the answer, holding back an incomplete multi-byte character until the tokens that finish it."""
+    tokens add to the answer, holding back an incomplete multi-byte character until the tokens that finish it (and
+    leaving it out where the answer ends before them)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
@@ -31,8 +32,12 @@ class TokenText:
         decode = self.tokenizer.decode
         before = decode(self._ids[self._prefix:self._read])
         after = decode(self._ids[self._prefix:])
-        if not final and after.endswith("\ufffd"):
-            return ""
+        if after.endswith("\ufffd"):
+            if not final:
+                return ""
+            # the answer ends inside a character (the token budget cut its bytes): what is shown of it is only the
+            # replacement character, so it is left out, as a character still to come is while streaming
+            after = after.rstrip("\ufffd")
         if len(after) <= len(before) and not final:
             return ""
         self._prefix, self._read = self._read, len(self._ids)

@@ -42,9 +42,13 @@ RACE_OUTPUTS = ("race_status", "lanes_html", "race_table_html", "race_chart", "r
 REPLAY_OUTPUTS = ("race_status", "lanes_html", "race_chart")
 
 
+PLACEHOLDER_CHARS = 44  # an empty figure's text, in lines that fit a phone's width (390 px) as they fit a laptop's
+
+
 def placeholder(text: str) -> go.Figure:
-    """An empty figure that says what will be drawn there."""
-    fig = go.Figure().add_annotation(text=text, showarrow=False, font=dict(size=14, color="#777777"))
+    """An empty figure that says what will be drawn there, in lines short enough for a phone."""
+    fig = go.Figure().add_annotation(text=wrap(text, PLACEHOLDER_CHARS), showarrow=False,
+                                     font=dict(size=14, color="#777777"))
     return fig.update_layout(height=220, xaxis_visible=False, yaxis_visible=False, plot_bgcolor="white",
                              margin=dict(l=20, r=20, t=20, b=20))
 

@@ -20,8 +20,8 @@ position; every token's numbers are computed alike alone, in a tree or in a prom
 the status line says this CPU could not make the kernels batch-invariant) is shown, not hidden."""
 
 TREE_PLACEHOLDER = ("Each step's draft tree appears here: the root (the last token), the drafts the matrix "
-                    "proposed,<br>the path the model accepted, and the bonus token it added itself.")
-MATRIX_PLACEHOLDER = ("The adjacency-matrix rows each step rewrote appear here: before (where the drafts came from)<br>"
+                    "proposed, the path the model accepted, and the bonus token it added itself.")
+MATRIX_PLACEHOLDER = ("The adjacency-matrix rows each step rewrote appear here: before (where the drafts came from) "
                       "and after (the model's new top-k candidates at each tree node).")
 BUDGET_PLACEHOLDER = ("With the auto tree, Token Recycling picks each step's tree size itself: the expected tokens per "
                       "second of every size, from its own measured steps, appear here.")

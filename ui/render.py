@@ -215,4 +215,4 @@ def history_html(history: Sequence[Mapping]) -> str:
     head = "".join(f"<th>{escape(k)}</th>" for k in keys)
     body = "".join("<tr>" + "".join(f"<td>{escape(str(row.get(k, '')))}</td>" for k in keys) + "</tr>"
                    for row in reversed(history))
-    return f'<table class="tr-table tr-history"><tr>{head}</tr>{body}</table>'
+    return f'<div class="tr-table-wrap"><table class="tr-table tr-history"><tr>{head}</tr>{body}</table></div>'

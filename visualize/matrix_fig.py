@@ -32,11 +32,13 @@ if TYPE_CHECKING:
 
 SAME, MOVED, CHANGED, ACCEPTED = range(4)
 CELL_FONT = 10
-CHAR_EM = 0.62  # a sign is about this many font sizes wide
+CHAR_EM = 0.7  # a sign is at most about this many font sizes wide ("m", "<", "|" included)
 COMPACT_RANKS = 4  # a phone shows the likeliest ranks only, so that each cell is wide enough for a word
 COMPACT_ROWS = 8  # and fewer rows, as its two panels are stacked
 TICK_PX = 90  # room for the row tokens' labels left of the cells
-FULL_WIDTH = 1300  # the side-by-side figure spans a laptop's page (narrower places take compact=True)
+# the side-by-side figure spans a laptop's page: at 1366 px, about 1180 px inside gradio's margins (narrower places
+# take compact=True)
+FULL_WIDTH = 1180
 
 
 def shown_rows(event: StepEvent, max_rows: int = 12) -> list[RowUpdate]:
