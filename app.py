@@ -468,7 +468,8 @@ def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer)
     outputs, after = [out[n] for n in LIVE_OUTPUTS], [out[n] for n in AFTER_LIVE_OUTPUTS]
     run = named(h.live, out)
     live["run"].click(run, inputs_kwargs=inputs, outputs=outputs, api_name="live", show_progress="hidden",
-                      js=SHOW_ANSWER, **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
+                      js=SHOW_ANSWER, **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after,
+                                                                api_visibility="private")
     live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["panel"]["tree"], racing["panel"]["tree"]],
                         api_visibility="private").then(
         run, inputs_kwargs=inputs, outputs=outputs, show_progress="hidden", api_visibility="private", **MODEL_WORK,
