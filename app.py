@@ -52,6 +52,7 @@ from ui.page import (  # noqa: E402
     INTRO,
     MATRIX_PLACEHOLDER,
     NARROW_PX,
+    PROJECTION_PLACEHOLDER,
     RACE_INTRO,
     RACE_PLACEHOLDER,
     STEPS_PLACEHOLDER,
@@ -235,7 +236,8 @@ class Handlers:
                                                             "start."),
                     draft_tree=placeholder(TREE_PLACEHOLDER), matrix_rows=placeholder(MATRIX_PLACEHOLDER),
                     budget_chart=placeholder(BUDGET_PLACEHOLDER), history_html=history_html(session.history),
-                    notice_html="", step_chart=placeholder(STEPS_PLACEHOLDER))
+                    notice_html="", step_chart=placeholder(STEPS_PLACEHOLDER),
+                    projection_chart=placeholder(PROJECTION_PLACEHOLDER))
 
     @user_errors
     def race(self, session: Session, request: gr.Request = None, **values):
@@ -249,7 +251,8 @@ class Handlers:
         race = Race(session, self.models, self._settings(values))
         yield dict(race_status="Loading the model…" if race.needs_loading else "Setting up…", race_summary=None,
                    lanes_html=lanes_html(dict.fromkeys(race.methods), None, race.settings.tree), race_table_html="",
-                   race_chart=placeholder(RACE_PLACEHOLDER), race_steps_chart=placeholder(STEPS_PLACEHOLDER))
+                   race_chart=placeholder(RACE_PLACEHOLDER), race_steps_chart=placeholder(STEPS_PLACEHOLDER),
+                   race_projection_chart=placeholder(PROJECTION_PLACEHOLDER))
         race.prepare()
         with self._stoppable(request, race):
             for progress in race.progress():
@@ -372,6 +375,8 @@ def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> di
                                       elem_id="tree-plot")
     c["step_chart"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="step_chart", show_label=False,
                               elem_id="step-plot")
+    c["projection_chart"] = gr.Plot(placeholder(PROJECTION_PLACEHOLDER), label="projection_chart", show_label=False,
+                                    elem_id="projection-plot")
     c["matrix_rows"] = gr.Plot(placeholder(MATRIX_PLACEHOLDER), label="matrix_rows", show_label=False,
                                elem_id="matrix-plot")
     c["budget_chart"] = gr.Plot(placeholder(BUDGET_PLACEHOLDER), label="budget_chart", show_label=False,
@@ -379,6 +384,12 @@ def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> di
     with gr.Accordion("Your runs in this session", open=True):
         c["history_html"] = gr.HTML(history_html([]), label="history_html", elem_id="history")
         c["reset"] = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
+    return {**c, **json_panel()}
+
+
+def json_panel() -> dict:
+    """What the Live tab measured, as JSON (as the API returns it): the run's summary, a step's event, the trace."""
+    c = {}
     with gr.Accordion("This run's figures and step events, as JSON (what the API returns)", open=False):
         c["run_summary"] = gr.JSON(label="run_summary", elem_id="run-summary")
         c["step_event"] = gr.JSON(label="step_event", elem_id="step-event")
@@ -411,6 +422,8 @@ def race_tab(choices, example_labels: list[str], allow_local_models: bool) -> di
                               elem_id="race-plot")
     c["race_steps_chart"] = gr.Plot(placeholder(STEPS_PLACEHOLDER), label="race_steps_chart", show_label=False,
                                     elem_id="race-step-plot")
+    c["race_projection_chart"] = gr.Plot(placeholder(PROJECTION_PLACEHOLDER), label="race_projection_chart",
+                                         show_label=False, elem_id="race-projection-plot")
     c["lanes_html"] = gr.HTML(lanes_html(dict.fromkeys(RACE_METHODS), None), label="lanes_html", elem_id="lanes")
     with gr.Accordion("The race's figures, as JSON (what the API returns)", open=False):
         c["race_summary"] = gr.JSON(label="race_summary", elem_id="race-summary")

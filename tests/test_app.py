@@ -656,6 +656,12 @@ def test_live_streams_every_step_and_matches_plain_decoding(client, app_models):
     assert summary["tokens"] == int(values["tokens"]) and f'{summary["speedup"]:.2f}' == values["speedup"]
     assert summary["identical_to_plain"] is True and summary["tree"] == "small" and summary["method"] == "tr"
     assert summary["draft_nodes_per_step"] == 12.0 and summary["speedup_definition"] == SPEEDUP_DEFINITION
+    here, *others = summary["projection"]  # the same steps on other hardware: a model, this machine as measured
+    assert here["device"] == "this machine" and here["speedup"] == round(summary["speedup"], 3)
+    assert here["model_error"] >= 0 and not here["modelled"]
+    assert [r["device"] for r in others] == ["laptop CPU", "T4", "A100", "H100"] and all(r["modelled"] for r in others)
+    assert [r["model_error"] for r in others] == [None, None, 0.33, None]  # the A100's: the paper check
+    assert json.loads(final[LIVE["projection_chart"]]["plot"])["data"][0]["y"][0] == "this machine (measured)"
 
     shown = client.predict(0, api_name="/step")  # the step slider: any step of this session's latest run
     assert re.findall(r'class="[^"]*tr-current[^"]*" data-step="(\d+)"', shown[0]) == ["0"]
@@ -697,9 +703,14 @@ def test_sessions_do_not_share_runs(client, served):
 
 
 def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain(client):
-    status, _, table, _, steps, history, summary = client.predict(PROMPT, NEW_TOKENS, "small", 8, True, "", "exact",
-                                                                  ["pld", "tr"], api_name="/race")
+    status, _, table, _, steps, projection_chart, history, summary = client.predict(
+        PROMPT, NEW_TOKENS, "small", 8, True, "", "exact", ["pld", "tr"], api_name="/race")
     assert summary["verdict"] == status and list(summary["methods"]) == ["plain", "pld", "tr"]
+    rows = summary["projection"]  # Token Recycling's median round on other hardware, this machine as measured
+    assert [r["device"] for r in rows] == ["this machine", "laptop CPU", "T4", "A100", "H100"]
+    assert rows[0]["speedup"] == round(summary["methods"]["tr"]["speedup"], 3) and rows[0]["method"] == "tr"
+    bars = json.loads(projection_chart["plot"])["data"][0]
+    assert bars["y"][0] == "this machine (measured)" and len(bars["x"]) == 5
     verdict = re.match(r"Token Recycling ran at [\d.]+× plain decoding \(median of 3 rounds, range [\d.]+–[\d.]+×\): "
                        r"each forward pass added (only )?[\d.]+ tokens \(bonus token included\) (for|but cost) [\d.]+×",
                        status)

@@ -241,6 +241,12 @@ def test_the_cost_step_quotes_the_matrix_size_and_the_size_table():
     assert list(fig.data[0].y) == [row["expected_accepted"] for row in table]
     assert list(fig.data[2].y) == [row["predicted_speedup"] for row in table]
     assert "1,572,864 bytes" in text("What it costs") and "1.5 MiB" in text("What it costs")
+    # the dotted line: the same table with an A100's modelled step times (tr_core.projection), quoted in the text
+    a100 = list(fig.data[3].y)
+    assert fig.data[3].name.startswith("predicted speedup on an A100 (a model") and len(a100) == len(table)
+    assert f"the paper's tree at {a100[-1]:.2f}×" in text("What it costs")
+    assert a100[-1] > max(row["predicted_speedup"] for row in table), "on a GPU the big tree pays"
+    assert "it says 2.70×, where the paper measured 2.03× (+33%)" in text("What it costs").replace("\n", " ")
 
 
 def test_every_page_has_a_title_a_filled_text_and_a_figure():

@@ -9,11 +9,11 @@ from html import escape
 import gradio as gr
 import plotly.graph_objects as go
 
-from visualize import budget_figure, matrix_figure, race_figure, tree_figure
+from visualize import budget_figure, matrix_figure, projection_figure, race_figure, tree_figure
 from visualize.charts import step_latency_figure
 from visualize.palette import wrap
 
-from .page import BUDGET_PLACEHOLDER, CANNOT_PAY
+from .page import BUDGET_PLACEHOLDER, CANNOT_PAY, PROJECTION_PLACEHOLDER
 from .records import RaceRun, ms_per_step, race_summary
 from .render import (
     answer_html,
@@ -33,12 +33,12 @@ from .summaries import race_summary_data
 # Each endpoint's outputs, by the names an API caller reads (gradio labels them so); every update below is a dict
 # of some of them, by name, and app.py maps the names to the page's components
 LIVE_OUTPUTS = ("answer_html", "counters_html", "draft_tree", "matrix_rows", "budget_chart", "step_chart",
-                "history_html", "notice_html", "run_summary", "session")
+                "projection_chart", "history_html", "notice_html", "run_summary", "session")
 STEP_OUTPUTS = ("answer_html", "draft_tree", "matrix_rows", "budget_chart", "step_event")
 RESET_OUTPUTS = LIVE_OUTPUTS
 AFTER_LIVE_OUTPUTS = ("step", "watch")  # the page's own controls after a run (not part of the API's answer)
-RACE_OUTPUTS = ("race_status", "lanes_html", "race_table_html", "race_chart", "race_steps_chart", "history_html",
-                "race_summary", "session")
+RACE_OUTPUTS = ("race_status", "lanes_html", "race_table_html", "race_chart", "race_steps_chart",
+                "race_projection_chart", "history_html", "race_summary", "session")
 REPLAY_OUTPUTS = ("race_status", "lanes_html", "race_chart")
 
 
@@ -79,9 +79,20 @@ def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) ->
     if snap.done:
         baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
         values.update(history_html=history_html(session.history), run_summary=run.record.summary,
+                      projection_chart=projection_view(run.record.summary, session.narrow),
                       notice_html=notice_html(CANNOT_PAY, "callout") if snap.drafted_nothing else "",
                       step_chart=step_latency_figure(snap.events, baseline_ms=baseline_ms) if last else gr.skip())
     return values
+
+
+def projection_view(summary: dict | None, narrow: bool, what: str = "this run") -> go.Figure:
+    """The projection of a run or race onto other hardware (``tr_core.projection``), or what the figure would show."""
+    rows = (summary or {}).get("projection") or []
+    if not rows:
+        return placeholder(PROJECTION_PLACEHOLDER)
+    return projection_figure(rows, f"{what}'s accepted tokens on other hardware: a model (weights over bandwidth "
+                                   "against FLOPs over peak, plus launches), not a measurement; this machine as "
+                                   "measured", compact=narrow)
 
 
 def after_live(session: Session) -> dict:
@@ -123,9 +134,13 @@ def race_frame(progress: RaceProgress, race: Race, session: Session) -> dict:
     table = race_table_html(progress.rounds, race.decode, tree)
     table += (f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}. Every matrix method '
               f"started from {escape(race.matrix_history)}.</div>")
+    data = race_summary_data(summary, progress.rounds, verdict, race.matrix_history, progress.runs,
+                             race.machine_profile())
+    shown = data["projection"][0]["method"] if data["projection"] else ""
     return dict(race_status=verdict, race_table_html=table, session=session,
                 history_html=history_html(session.history), race_steps_chart=race_step_plot(progress.runs),
-                race_summary=race_summary_data(summary, progress.rounds, verdict, race.matrix_history))
+                race_summary=data, race_projection_chart=projection_view(
+                    data, session.narrow, f"{method_label(shown)} (median round)"))
 
 
 def race_chart(race, at_s: float | None = None):

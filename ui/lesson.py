@@ -26,6 +26,7 @@ import plotly.graph_objects as go
 from tr_core.assets import BEYOND_PAPER, TRACES_DIR, acceptance_path
 from tr_core.events import TOKENS_PER_PASS
 from tr_core.methods import METHODS
+from tr_core.projection import DEVICES, Shape, paper_check, step_ms
 from tr_core.stats import SPEEDUP_DEFINITION
 from visualize import load_trace, mask_figure, matrix_figure, methods_figure, text_lookup, tree_figure, visible
 from visualize.lesson_fig import (
@@ -187,8 +188,17 @@ def facts(lesson: Lesson) -> dict:
         t81=sizes[max(sizes)]["step_ms"], cost81=sizes[max(sizes)]["step_ms"] / t_ms[1], paper_nodes=max(sizes),
         paper_speedup=sizes[max(sizes)]["predicted_speedup"], best_n=best["nodes"],
         best_speedup=best["predicted_speedup"], best_tokens=best["expected_accepted"],
-        **beyond_facts(lesson.benchmark),
+        **gpu_facts(meta), **beyond_facts(lesson.benchmark),
     )
+
+
+def gpu_facts(meta: dict) -> dict:
+    """The cost page's fields on other hardware: the A100's modelled speedup for the paper's tree and the recorded
+    tree (``on_a100``), and the model's own check against the paper's measured figure."""
+    gpu, check = on_a100(meta) or [], paper_check()
+    by_nodes = dict(zip((row["nodes"] for row in meta["tree_sizes"]), gpu))
+    return dict(a100_paper=by_nodes.get(max(by_nodes, default=0), 0.0), a100_tree=by_nodes.get(meta["tree_nodes"], 0.0),
+                paper_modelled=check["modelled"], paper_measured=check["measured"], paper_error=check["error"])
 
 
 def _tail(text: str, n: int) -> str:
@@ -354,11 +364,23 @@ def _recycling(lesson: Lesson, compact: bool) -> go.Figure:
                                         "rewrote (accepted tokens first, bold)")
 
 
+def on_a100(meta: dict) -> list[float] | None:
+    """Per tree size of the recording's table, the predicted speedup with an A100's modelled step time
+    (``tr_core.projection``) instead of the recording machine's measured one; ``None`` for a trace without the
+    model's shape."""
+    if "shape" not in meta:
+        return None
+    shape, a100 = Shape(**meta["shape"]), DEVICES["A100"]
+    return [row["expected_accepted"] * step_ms(a100, shape, 1) / step_ms(a100, shape, row["nodes"])
+            for row in meta["tree_sizes"]]
+
+
 def _tree_sizes(lesson: Lesson, compact: bool) -> go.Figure:
     meta = lesson.hot.meta
     sizes = [row["nodes"] for row in meta["tree_sizes"]]
     marks = {f"'{meta['tree']}' ({meta['tree_nodes']})": meta["tree_nodes"], f"paper ({max(sizes)})": max(sizes)}
-    return tree_size_table_figure(meta["tree_sizes"], marks, compact)
+    gpu = on_a100(meta)
+    return tree_size_table_figure(meta["tree_sizes"], marks, compact, None if gpu is None else ("A100", gpu))
 
 
 KEY = TOKENS_PER_PASS  # the one name of the key number (tr_core.events)

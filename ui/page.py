@@ -64,6 +64,8 @@ CSS = """
 
 # a page narrower than this (a phone) gets the figures' compact layout: the one viewport check, for every tab
 NARROW_PX = 700
+PROJECTION_PLACEHOLDER = ("What the same accepted tokens would give on other hardware (a laptop CPU, a T4, an A100, "
+                          "an H100), from a stated model of a step's cost, appears here.")
 STEPS_PLACEHOLDER = "Each decoding step's time and the tokens it added appear here, beside plain decoding's."
 # The tree to watch where the fitted tree is empty (no tree pays on this machine), and what the page then says
 WATCH_TREE = "small"

@@ -17,6 +17,7 @@ the replay, ``/trace``) needs no model.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -26,6 +27,7 @@ from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.fitting import auto_tree, has_acceptance_stats
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
+from tr_core.speed import machine_profile
 from tr_core.speed.kernels import mode_dtype
 from tr_core.tree import load_template
 
@@ -37,6 +39,7 @@ from .session import LiveRecord, RaceRecord, Session, starting_matrix
 from .settings import DEFAULT_RACE, Settings
 from .summaries import run_summary
 
+log = logging.getLogger("token_recycling.app")
 RACE_METHODS = ("plain",) + DEFAULT_RACE  # the race's lanes before the user picks
 # Each method runs this many times in a race, interleaved: on a shared CPU one run's speed drifts by up to 2x within
 # minutes, so the page gives the median and the range
@@ -169,6 +172,15 @@ class _ModelRun(Stoppable):
         s = self.settings
         return self.session.matrix_for(engine, s.model_id, s.hot_start, prompt=s.prompt.text)
 
+    def machine_profile(self) -> dict | None:
+        """What the step-cost model needs of this machine and the run's model (``tr_core.speed.machine_profile``:
+        cached after its first measurement); ``None``, logged, where it cannot be taken."""
+        try:
+            return machine_profile(self.engine.model, self.engine.config.fit_context)
+        except Exception:  # a projection is an extra: the run's own figures stand without it
+            log.warning("no machine profile for the projection", exc_info=True)
+            return None
+
     @property
     def hidden(self) -> tuple[str, ...]:
         """The tokenizer's special tokens (``"<|im_end|>"``, ...): the page does not show their text."""
@@ -232,7 +244,7 @@ class LiveRun(_ModelRun):
             self.record.baseline = self.baseline(events)
         self.record.drafted_nothing = self.drafted_nothing
         self.record.summary = run_summary(s.method, tree_for(s.method, s.tree), events, rates, self.record.baseline,
-                                          self.matrix_history)
+                                          self.matrix_history, self.machine_profile() if events else None)
         yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
                        drafted_nothing=self.drafted_nothing)
 

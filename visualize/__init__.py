@@ -15,6 +15,7 @@ from .charts import (
                      accepted_length_figure,
                      accepted_lengths,
                      methods_figure,
+                     projection_figure,
                      race_figure,
                      speedup_figure,
                      tree_size_figure,
@@ -27,7 +28,8 @@ from .tree_layout import node_roles, tree_layout
 
 __all__ = [
     "accepted_length_figure", "accepted_lengths", "ancestor_mask", "budget_figure", "budget_title", "label",
-    "load_trace", "mask_figure", "matrix_figure", "methods_figure", "node_roles", "race_figure", "shown_rows",
+    "load_trace", "mask_figure", "matrix_figure", "methods_figure", "node_roles", "projection_figure", "race_figure",
+    "shown_rows",
     "speedup_figure", "step_traces", "text_lookup", "token_text_map", "tree_animation", "tree_figure", "tree_layout",
     "tree_size_figure", "visible",
 ]

@@ -324,3 +324,37 @@ def step_latency_figure(events: list, baseline_ms: float | None = None, title: s
     fig.update_yaxes(title_text="tokens", dtick=1, gridcolor="#EEEEEE", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="ms", gridcolor="#EEEEEE", rangemode="tozero", row=2, col=1)
     return fig
+
+
+def _projection_label(row: Mapping) -> str:
+    """``"2.41×"``, with what is known of the model's error: against a measurement elsewhere (``"model error
+    +33%"``, the paper check) or, for this machine, against its measured step times (``"model's t(N) error here
+    12%"``)."""
+    label, error = f"{row['speedup']:.2f}×", row.get("model_error")
+    if error is None:
+        return label
+    return label + (f" (model error {error:+.0%})" if row.get("modelled", True) else
+                    f" (the model's t(N) off by {error:.0%} here)")
+
+
+def projection_figure(rows: Sequence[Mapping], title: str = "", compact: bool = False) -> go.Figure:
+    """The same run's speedup on other hardware (``tr_core.projection.projection`` rows): one bar per device, this
+    machine's as measured (blue), the others modelled (grey, hatched), each labelled with the model's error where
+    it was checked; a line at 1×, plain decoding."""
+    rows = [r for r in rows if r.get("speedup") is not None]
+    fig = go.Figure()
+    names = [r["device"] + ("" if r.get("modelled", True) else " (measured)") for r in rows]
+    labels = [_projection_label(r) for r in rows]
+    fig.add_trace(go.Bar(
+        y=names, x=[r["speedup"] for r in rows], orientation="h", text=labels, textposition="outside",
+        cliponaxis=False, marker=dict(color=[GREY if r.get("modelled", True) else BLUE for r in rows],
+                                      pattern_shape=["/" if r.get("modelled", True) else "" for r in rows]),
+        hovertemplate="%{y}: %{x:.2f}× plain decoding<extra></extra>"))
+    fig.add_vline(x=1.0, line=dict(color=BLACK, dash="dash", width=1))
+    top = max([r["speedup"] for r in rows] + [1.0])
+    title = title or "the same accepted tokens on other hardware: a model, not a measurement"
+    return fig.update_layout(
+        title=dict(text=wrap(title, 40 if compact else 90), font=dict(size=14)), height=90 + 36 * len(rows),
+        margin=dict(l=10, r=10, t=60, b=30), plot_bgcolor="white", showlegend=False,
+        xaxis=dict(title="speedup over plain decoding", range=[0, top * 1.45], gridcolor="#eeeeee"),
+        yaxis=dict(autorange="reversed", automargin=True))

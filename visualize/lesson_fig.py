@@ -240,11 +240,12 @@ def passes_figure(runs: Mapping[str, Sequence[StepEvent]], names: Mapping[str, s
 
 
 def tree_size_table_figure(table: Sequence[dict], marks: Mapping[str, int] | None = None,
-                           compact: bool = False) -> go.Figure:
+                           compact: bool = False, elsewhere: tuple[str, Sequence[float]] | None = None) -> go.Figure:
     """Per tree size N (``table`` rows: nodes, expected_accepted, step_ms, predicted_speedup): the expected tokens
     per forward pass, the cost of that pass relative to a one-token pass, and their ratio, the predicted speedup.
     Traces 0, 1, 2 in that order; ``marks`` draws a labelled vertical line at named sizes. ``compact``: shorter
-    legend names, under the plot."""
+    legend names, under the plot. ``elsewhere``: ``(device, speedups by row)``, the same prediction with another
+    device's modelled step times (``tr_core.projection``), trace 3, dotted."""
     n = [row["nodes"] for row in table]
     plain_ms = table[0]["step_ms"]
     lines = [
@@ -259,6 +260,10 @@ def tree_size_table_figure(table: Sequence[dict], marks: Mapping[str, int] | Non
         short = ["tokens per forward pass, bonus included", "cost of the pass, in one-token passes",
                  "predicted speedup = tokens / cost"]
         lines = [(name, *rest) for name, (_, *rest) in zip(short, lines)]
+    if elsewhere is not None:
+        device, speedups = elsewhere
+        lines.append((f"predicted speedup on an {device} (a model of its step time, not measured)", list(speedups),
+                      GREY, "dot"))
     fig = go.Figure()
     for name, ys, colour, dash in lines:
         fig.add_trace(go.Scatter(x=n, y=ys, name=name, mode="lines", line=dict(color=colour, dash=dash, width=3),

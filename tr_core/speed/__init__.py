@@ -4,7 +4,8 @@
   measured fastest among those found row-invariant here (``layouts``, ``kernels``), ``mode_dtype`` says in a
   sentence what that is; the lean forward (``lean``) and its batch-invariant attention (``attention``) run them,
   on a preallocated KV cache (``kv``);
-- what a step of N tokens costs: ``context_curve(model, context)``, t(N) measured here (``calibrate``).
+- what a step of N tokens costs: ``context_curve(model, context)``, t(N) measured here (``calibrate``), and
+  ``machine_profile(model)``, what the step-cost model of ``tr_core.projection`` needs of this machine.
 
 The algorithm (``tr_core``'s top-level modules) imports from this package only, never from its modules.
 """
@@ -28,7 +29,7 @@ from .kv import keep_accepted_path, new_cache
 
 # the calibration measures decoding steps (it imports the decoding loop): loaded on first use
 _LAZY = {"DEFAULT_FIT_CONTEXT": "calibrate", "context_curve": "calibrate", "interpolate": "calibrate",
-         "machine_key": "calibrate"}
+         "machine_key": "calibrate", "machine_profile": "calibrate"}
 
 __all__ = ["MODES", "OutputHead", "body", "cache_dtype", "feed", "grouped_query_attention_in_sdpa", "kernel_summary",
            "keep_accepted_path", "mode_dtype", "new_cache", "prepare_model", "window", "window_room", *_LAZY]

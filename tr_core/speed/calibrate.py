@@ -231,6 +231,38 @@ def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def cached_bandwidth_gbs() -> float:
+    """``read_bandwidth_gbs``, measured once per machine and thread count, then read from the cache."""
+    path = default_cache_dir() / "calibration" / f"bandwidth-{cpu_name()}-t{torch.get_num_threads()}.json"
+    path = path.with_name("".join(c if c.isalnum() or c in "-._" else "_" for c in path.name))
+    if path.is_file():
+        return float(json.loads(path.read_text())["read_gbs"])
+    gbs = read_bandwidth_gbs()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"read_gbs": gbs}))
+    return gbs
+
+
+def streamed_parameters(model: PreTrainedModel) -> int:
+    """The weights one decoding step reads: every parameter, but of the input embedding only one row a token (it
+    counts where the output layer shares it, as the output layer reads it whole)."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    shared = embedding is model.get_output_embeddings().weight
+    return total if shared else total - embedding.numel()
+
+
+def machine_profile(model: PreTrainedModel, context: int | Sequence[int] = DEFAULT_FIT_CONTEXT) -> dict:
+    """What the step-cost model (``tr_core.projection``) needs of this machine and ``model`` as prepared: the read
+    bandwidth (GB/s, cached), t(N) measured here (ms by N, ``context_curve``), the weights one step streams (as
+    fp32 parameters and in the model's format, bytes per weight) and the decoder layers."""
+    plan = plan_of(model)
+    fmt = plan.fmt if plan is not None else "fp32"
+    return {"bandwidth_gbs": cached_bandwidth_gbs(), "curve": context_curve(model, context),
+            "parameters": streamed_parameters(model), "bytes_per_weight": 4 if fmt == "fp32" else 2,
+            "layers": model.config.num_hidden_layers}
+
+
 def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
     """Bytes of weights one decoding step streams in format ``fmt`` (``"fp32"``: 4 a value, ``"fp16"``/``"bf16"``:
     2): every linear layer of the body and the output layer (the input embedding reads one row a token)."""

@@ -37,7 +37,7 @@ from ..assets import ASSETS_DIR, TRACES_DIR, model_slug
 from ..engine import Engine, EngineConfig
 from ..events import StepEvent, token_ids_named
 from ..fitting import auto_tree
-from ..speed.calibrate import context_curve, machine_key
+from ..speed.calibrate import context_curve, machine_key, streamed_parameters
 
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             "calibration": {"machine": machine_key(engine.model), "t_ms": {str(n): round(ms, 2)
                                                                             for n, ms in curve.items()}},
             "tree_sizes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in sizes],
+            # what the step-cost model (tr_core.projection) needs of the model: weights streamed a step, layers
+            "shape": {"parameters": streamed_parameters(engine.model),
+                      "layers": engine.model.config.num_hidden_layers},
         }
         write_trace(out / f"{name}.json", events)
         (out / f"{name}.meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
