@@ -44,7 +44,17 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.inputs import MAX_NEW_TOKENS, SAMPLE_TOP_K, SEED, TEMPERATURE, TOP_K, TOP_P, check_model_id, check_step  # noqa: E402
+from ui.inputs import (  # noqa: E402
+    MAX_NEW_TOKENS,
+    SAMPLE_TOP_K,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    InputError,  # noqa: E402
+    check_model_id,
+    check_step,
+)
 from ui.models import ModelCache, model_name  # noqa: E402
 from ui.page import (  # noqa: E402
     BUDGET_PLACEHOLDER,
@@ -69,7 +79,7 @@ from ui.render import (  # noqa: E402
     notice_html,
     race_verdict,
 )
-from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, Stoppable  # noqa: E402
+from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, Stoppable, TraceReplay  # noqa: E402
 from ui.session import Session  # noqa: E402
 from ui.settings import DEFAULT_RACE, RACE_CHOICES, RACE_MATRICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
 
@@ -191,6 +201,24 @@ class Handlers:
             for snap in run.snapshots():
                 if snap.done or snap.measuring_baseline or text_due():
                     yield live_frame(snap, run, snap.done or figures_due(), session)
+
+    @user_errors
+    def replay_trace(self, trace_file, session: Session, request: gr.Request = None):
+        """Replay a run recorded elsewhere (the trace file ``python -m tr_core --trace FILE`` wrote there) with every
+        figure of a live run, at its recorded pace and with the speeds measured there; nothing is decoded here."""
+        yield from _shown_errors(self._replay_trace(trace_file, session, request), lambda message: dict(
+            notice_html=notice_html(message), counters_html=counters_html(Rates(), "not replayed: see the message")))
+
+    def _replay_trace(self, path, session: Session, request: gr.Request):
+        if not path:
+            raise InputError("Pick a trace file first: the JSON file that `python -m tr_core --trace FILE` writes.")
+        replay = TraceReplay(session, path)
+        yield dict(notice_html="", run_summary=None, counters_html=counters_html(Rates(), "replaying", replay.note))
+        text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
+        with self._stoppable(request, replay):
+            for snap in replay.snapshots():
+                if snap.done or text_due():
+                    yield live_frame(snap, replay, snap.done or figures_due(), session)
 
     @staticmethod
     def after_live(session: Session) -> dict:
@@ -384,7 +412,21 @@ def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> di
     with gr.Accordion("Your runs in this session", open=True):
         c["history_html"] = gr.HTML(history_html([]), label="history_html", elem_id="history")
         c["reset"] = gr.Button("Reset my matrix and history", size="sm", elem_id="reset")
-    return {**c, **json_panel()}
+    return {**c, **replay_panel(), **json_panel()}
+
+
+def replay_panel() -> dict:
+    """A run recorded on another machine (a GPU, a larger model), replayed here with its own speeds."""
+    c = {}
+    with gr.Accordion("Replay a run recorded on another machine (a GPU, a larger model)", open=False):
+        gr.Markdown("There: `python -m tr_core --method tr --prompt \"...\" --trace run.json` (add `--model ID` for "
+                    "another model). Here: pick `run.json` and replay it: the answer, the trees, the matrix rows and "
+                    "the step times as recorded, with that machine's speeds (and plain decoding's, measured there).")
+        with gr.Row():
+            c["trace_file"] = gr.File(label="trace_file", file_types=[".json"], type="filepath",
+                                      elem_id="trace-file", scale=3)
+            c["replay_trace"] = gr.Button("Replay the trace", elem_id="replay-trace", scale=1)
+    return c
 
 
 def json_panel() -> dict:
@@ -500,6 +542,11 @@ def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer)
     live["pause"].click(lambda: gr.Timer(active=False), None, timer, api_visibility="private")
     timer.tick(named(h.tick, out), [live["step"], session], frame, api_visibility="private", show_progress="hidden")
     live["show_trace"].click(h.trace, [session], [live["trace"]], api_name="trace")
+    # preprocessed: gradio hands over only a file it received itself, never a path a caller names
+    live["replay_trace"].click(named(h.replay_trace, out), inputs_kwargs={"trace_file": live["trace_file"],
+                                                                          "session": session},
+                               outputs=outputs, api_name="replay_trace", show_progress="hidden", **MODEL_WORK).then(
+        named(h.after_live, out), [session], after, api_visibility="private")
 
 
 def wire_race(h: Handlers, racing: dict, live: dict, out: dict) -> None:

@@ -26,7 +26,7 @@ from tr_core.stats import SPEEDUP_DEFINITION, Spread, speedup  # noqa: E402
 from tr_core.stats import first_difference as first_different_token  # noqa: E402
 from tr_core.tree import BUILTIN_TEMPLATES  # noqa: E402
 from ui import models as models_mod  # noqa: E402
-from ui.frames import race_frame  # noqa: E402
+from ui.frames import live_frame, race_frame  # noqa: E402
 from ui.inputs import InputError  # noqa: E402
 from ui.models import ModelCache  # noqa: E402
 from ui.records import Baseline, RaceRun, race_summary  # noqa: E402
@@ -867,3 +867,64 @@ def test_live_and_the_race_agree_on_one_speedup(client):
     assert live["tokens_per_forward_pass"] == race["methods"]["tr"]["tokens_per_forward_pass"]
     assert live["matrix_history"] == "the shipped hot start, no run of yours yet"
     assert race["matrix_history"].startswith("the same matrix for every method")
+
+
+@pytest.fixture()
+def recorded_trace(tiny_folder, tmp_path):
+    """A trace written by the command line on "another machine" (here, with the tiny model)."""
+    from tr_core.__main__ import main
+
+    folder, _, _ = tiny_folder
+    path = tmp_path / "run.json"
+    assert main(["--method", "tr", "--prompt", "Name three colours.", "--model", str(folder), "--max-new-tokens",
+                 "12", "--tree", "small", "--top-k", "4", "--trace", str(path)]) == 0
+    return path
+
+
+def test_a_trace_recorded_elsewhere_replays_with_its_own_speeds(recorded_trace, monkeypatch):
+    import tr_core.trace_file as trace_file
+    import ui.run
+
+    monkeypatch.setattr(ui.run, "REPLAY_MAX_S", 0.2)
+    events, meta = trace_file.read(recorded_trace)
+    assert meta["machine"] and meta["method"] == "tr" and meta["identical_to_plain"] is True
+    session = Session()
+    replay = ui.run.TraceReplay(session, recorded_trace)
+    snaps, counts = [], []
+    for snap in replay.snapshots():
+        snaps.append(snap)
+        counts.append(len(snap.events))  # the record's own list grows: count it as it comes
+    assert counts == list(range(1, len(events) + 1)) + [len(events)] and snaps[-1].done
+    assert [e.to_dict() for e in session.live.events] == [e.to_dict() for e in events]  # every step, as recorded
+    summary = session.live.summary
+    assert summary["tokens_per_s"] == round(events[-1].rates.tokens_per_s, 3) == round(meta["tokens_per_s"], 3)
+    assert summary["plain_tokens_per_s"] == meta["plain_tokens_per_s"] and summary["speedup"] == round(
+        speedup(meta["tokens_per_s"], meta["plain_tokens_per_s"]), 4)
+    assert summary["recorded_on"].startswith(meta["machine"]) and "that machine's" in replay.note
+    page = live_frame(snaps[-1], replay, True, session)
+    assert visible_text(page["answer_html"]) == "".join(e.new_text for e in events)
+    assert f"recorded on {meta['machine']}" in visible_text(page["counters_html"])
+
+
+def test_a_file_that_is_not_a_trace_is_refused_with_one_sentence(tmp_path):
+    import ui.run
+
+    for content, message in [("not json", "is not JSON"), ('{"a": 1}', "is JSON but not a trace"),
+                             ('{"format": "token-recycling-trace/1", "events": []}', "holds no decoding step"),
+                             ('[{"step": 0, "method": "tr"}]', "a step event does not read")]:
+        path = tmp_path / "bad.json"
+        path.write_text(content)
+        with pytest.raises(InputError, match=message):
+            ui.run.TraceReplay(Session(), path)
+
+
+def test_the_app_replays_an_uploaded_trace(client, recorded_trace):
+    from gradio_client import handle_file
+
+    final = client.predict(handle_file(str(recorded_trace)), api_name="/replay_trace")
+    summary = final[LIVE["run_summary"]]
+    assert summary["recorded_on"] and summary["method"] == "tr" and summary["speedup"] > 0
+    assert "replaying a run recorded on" in final[LIVE["counters_html"]]
+    assert client.predict(api_name="/trace")["live"]["events"][0]["step"] == 0  # the session's latest run now
+    with pytest.raises(Exception, match="Pick a trace file first"):
+        client.predict(None, api_name="/replay_trace")

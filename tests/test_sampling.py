@@ -340,7 +340,7 @@ def test_the_command_line_samples_and_every_method_gives_plain_samplings_answer(
         assert main(base + ["--method", method, "--trace", str(trace)]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["sampling"] == "sampled: T=0.8, top-p 0.95, top-k 40, seed 5"
-        events = [StepEvent.from_dict(d) for d in json.loads(trace.read_text())]
+        events = [StepEvent.from_dict(d) for d in json.loads(trace.read_text())["events"]]
         assert all(e.sampling == out["sampling"] for e in events)
         outputs[method] = out["token_ids"]
     assert outputs["plain"] == outputs["pld"] == outputs["tr"]

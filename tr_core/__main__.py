@@ -9,15 +9,41 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+from datetime import datetime, timezone
 
+import torch
 from transformers.utils import logging as transformers_logging
 
+from . import trace_file
 from .engine import METHODS, Engine, EngineConfig
 from .models import ModelLoadError
 from .sampling import Sampling
-from .speed import MODES
+from .speed import MODES, cpu_name, mode_dtype
+from .stats import SPEEDUP_DEFINITION, speedup
 from .tree import TreeTemplateError
+
+
+def trace_meta(args, engine: Engine, result, plain, sampling: Sampling) -> dict:
+    """What a reader of the trace elsewhere needs: where and how it ran, and the speeds measured here."""
+    model = engine.model
+    device = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_name())
+    rates = result.rates
+    meta = {"machine": device, "threads": torch.get_num_threads(),
+            "model": args.model or "embedded SmolLM2-135M-Instruct",
+            "method": args.method, "tree": engine.tree.name if args.method != "plain" else None, "mode": args.mode,
+            "format": mode_dtype(args.mode, model)[1], "sampling": sampling.describe(), "prompt": args.prompt,
+            "tokens": len(result.token_ids), "steps": result.steps, "tokens_per_s": round(rates.tokens_per_s, 3),
+            "tokens_per_forward_pass": round(rates.mean_accepted_tokens, 4),
+            "special_tokens": list(engine.tokenizer.all_special_tokens),
+            "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "recorded_by": "python -m tr_core " + " ".join(sys.argv[1:]) if sys.argv[1:] else "python -m tr_core"}
+    if plain is not None:
+        meta.update(plain_tokens_per_s=round(plain.rates.tokens_per_s, 3),
+                    plain_ms_per_step=round(sum(e.forward_ms + e.overhead_ms for e in plain.events) / plain.steps, 3),
+                    identical_to_plain=plain.token_ids == result.token_ids,
+                    speedup=round(speedup(rates.tokens_per_s, plain.rates.tokens_per_s), 4),
+                    speedup_definition=SPEEDUP_DEFINITION)
+    return meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="sampling: keep the k likeliest tokens (default 0: all); not --top-k, the matrix's candidates")
     p.add_argument("--seed", type=int, default=0, help="sampling: the seed of every position's randomness")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as plain text")
-    p.add_argument("--trace", default=None, help="write every step event to this JSON file")
+    p.add_argument("--trace", default=None,
+                   help="write every step event, with the machine, the settings and the speeds, to this JSON file "
+                        "(the app's Live tab replays it)")
+    p.add_argument("--trace-plain", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --trace: also decode with plain decoding to the same length, so that the trace holds "
+                        "plain's speed on this machine too (default: on)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = p.parse_args(argv)
 
@@ -66,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.trace:
-        Path(args.trace).write_text(json.dumps([e.to_dict() for e in result.events]))
+        plain = None
+        if args.trace_plain and args.method != "plain":
+            plain = engine.generate(args.prompt, len(result.token_ids), method="plain",
+                                    chat=not args.no_chat_template, sampling=sampling)
+        trace_file.write(args.trace, result.events, trace_meta(args, engine, result, plain, sampling))
     summary = {
         "method": args.method,
         "text": result.text,

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from tr_core import trace_file
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.fitting import auto_tree, has_acceptance_stats
@@ -30,6 +31,7 @@ from tr_core.methods import METHODS
 from tr_core.speed import machine_profile
 from tr_core.speed.kernels import mode_dtype
 from tr_core.tree import load_template
+from visualize.trace import token_text_map
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
@@ -40,6 +42,7 @@ from .settings import DEFAULT_RACE, Settings
 from .summaries import run_summary
 
 log = logging.getLogger("token_recycling.app")
+REPLAY_MAX_S = 12.0  # a recorded run replays at its own pace, sped up to last at most this long
 RACE_METHODS = ("plain",) + DEFAULT_RACE  # the race's lanes before the user picks
 # Each method runs this many times in a race, interleaved: on a shared CPU one run's speed drifts by up to 2x within
 # minutes, so the page gives the median and the range
@@ -281,6 +284,61 @@ class LiveRun(_ModelRun):
         missing = [t for t in token_ids_named([event]) if t not in names]
         if missing:
             names.update(zip(missing, self.engine.tokenizer.batch_decode([[t] for t in missing])))
+
+    def token_text(self, token: int) -> str:
+        return self.record.token_text(token)
+
+
+class TraceReplay(Stoppable):
+    """A run recorded elsewhere, from the trace file ``python -m tr_core --trace`` wrote there, replayed step by step
+    at its recorded pace (sped up to last at most ``REPLAY_MAX_S``) with the speeds measured there: nothing is
+    decoded here. Its record becomes the session's latest run (the step slider, Play and ``/trace`` read it)."""
+
+    def __init__(self, session: Session, path):
+        try:
+            self.events, self.meta = trace_file.read(path)
+        except (trace_file.TraceFileError, OSError) as e:
+            raise InputError(str(e)) from None
+        self.session, m = session, self.meta
+        self.where = f"{m.get('machine', 'an unnamed machine')}" + (f", {m['threads']} threads" if "threads" in m
+                                                                   else "")
+        self.hidden = tuple(t for t in m.get("special_tokens", []) if isinstance(t, str))
+        self.record: LiveRecord | None = None
+
+    @property
+    def note(self) -> str:
+        m = self.meta
+        settings = ", ".join(f"{k} {m[k]}" for k in ("method", "tree", "format", "sampling") if m.get(k))
+        when = f", {m['recorded']}" if m.get("recorded") else ""
+        return (f"replaying a run recorded on {self.where}{when} ({m.get('model', 'model not named')}; "
+                f"{settings or 'settings not recorded'}): every speed shown is that machine's, as measured there")
+
+    def snapshots(self) -> Iterator[Snapshot]:
+        m, events = self.meta, self.events
+        method = m.get("method") or events[0].method
+        self.record = self.session.begin_live(m.get("model", "recorded"), m.get("mode", "?"), events[0].tree_name,
+                                              False, self.hidden)
+        self.record.names.update(token_text_map(events))
+        total = sum(e.forward_ms + e.overhead_ms for e in events) / 1e3
+        pace = min(1.0, REPLAY_MAX_S / total) if total > 0 else 0.0
+        for event in events:
+            if self.stopped:
+                break
+            time.sleep((event.forward_ms + event.overhead_ms) / 1e3 * pace)
+            self.record.events.append(event)
+            yield Snapshot(self.record.events, event.rates, self.note)
+        shown = self.record.events
+        rates = shown[-1].rates if shown else Rates()
+        baseline = None
+        if isinstance(m.get("plain_tokens_per_s"), (int, float)) and not self.stopped:
+            baseline = Baseline(m["plain_tokens_per_s"], m.get("plain_ms_per_step", 0.0), f"plain decoding measured "
+                                f"on {self.where}, to the same length, when the trace was recorded",
+                                m.get("identical_to_plain"))
+        self.record.baseline = baseline
+        self.record.summary = {**run_summary(method, events[0].tree_name, shown, rates, baseline,
+                                             f"as recorded on {self.where}"), "recorded_on": self.where}
+        self.session.record(f"replay: {method} (recorded elsewhere)", events[0].tree_name, "-", "recorded", rates)
+        yield Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
 
     def token_text(self, token: int) -> str:
         return self.record.token_text(token)

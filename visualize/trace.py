@@ -28,9 +28,11 @@ LABEL_CHARS = 10  # longest label drawn on a node or a cell; the hover text has 
 
 
 def load_trace(path: str | Path) -> list[StepEvent]:
-    """Read a JSON trace (a list of event dicts) into ``StepEvent`` objects, in step order."""
+    """Read a JSON trace (a list of event dicts, or the command line's ``{"meta": ..., "events": [...]}``) into
+    ``StepEvent`` objects, in step order."""
     with open(path, encoding="utf-8") as f:
-        return [StepEvent.from_dict(d) for d in json.load(f)]
+        data = json.load(f)
+    return [StepEvent.from_dict(d) for d in (data["events"] if isinstance(data, dict) else data)]
 
 
 def token_text_map(events: Iterable[StepEvent]) -> dict[int, str]:

@@ -26,13 +26,15 @@ from .kernels import (
     window,
 )
 from .kv import keep_accepted_path, new_cache
+from .layouts import cpu_name
 
 # the calibration measures decoding steps (it imports the decoding loop): loaded on first use
 _LAZY = {"DEFAULT_FIT_CONTEXT": "calibrate", "context_curve": "calibrate", "interpolate": "calibrate",
          "machine_key": "calibrate", "machine_profile": "calibrate"}
 
-__all__ = ["MODES", "OutputHead", "body", "cache_dtype", "feed", "grouped_query_attention_in_sdpa", "kernel_summary",
-           "keep_accepted_path", "mode_dtype", "new_cache", "prepare_model", "window", "window_room", *_LAZY]
+__all__ = ["MODES", "OutputHead", "body", "cache_dtype", "cpu_name", "feed", "grouped_query_attention_in_sdpa",
+           "kernel_summary", "keep_accepted_path", "mode_dtype", "new_cache", "prepare_model", "window", "window_room",
+           *_LAZY]
 
 
 def __getattr__(name: str):
