@@ -304,16 +304,26 @@ class Handlers:
                    lanes_html=lanes_html(race.runs, None, race.tree, race.hidden))
 
     @user_errors
-    def load_model(self, model_id: str):
+    def load_model(self, model_id: str, session: Session = None):
         """Load a model (a hub id, a local folder where allowed; empty: the embedded one) and say how it went, in
-        the page; a model that does not load ends as an error for an API caller."""
-        yield from _shown_errors(self._load(model_id), lambda message: f"**Not loaded.** {message}")
+        the page; a model that does not load ends as an error for an API caller, and the session keeps the model
+        it had (the page's Model box goes back to it)."""
+        session = session if isinstance(session, Session) else Session()
+        yield from _shown_errors(self._load(model_id, session), lambda message: (
+            f"**Not loaded.** {message} Runs keep {model_name(session.model_id)}."))
 
-    def _load(self, model_id: str):
+    def _load(self, model_id: str, session: Session):
         model_id = check_model_id(model_id, self.allow_local_models)
         if not self.models.loaded(model_id):
             yield f"Loading {model_name(model_id)}…"
-        yield f"**Loaded** {self.models.describe(model_id)}."
+        described = self.models.describe(model_id)
+        session.model_id = model_id
+        yield f"**Loaded** {described}."
+
+    @staticmethod
+    def kept_model(session: Session) -> str:
+        """The Model box after a load or a run: the model the session last loaded or ran without a fault."""
+        return session.model_id
 
     @staticmethod
     def viewport(narrow, session: Session) -> Session:
@@ -522,9 +532,10 @@ def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer)
     session, inputs = out["session"], run_inputs(live, out["session"], "method")
     outputs, after = [out[n] for n in LIVE_OUTPUTS], [out[n] for n in AFTER_LIVE_OUTPUTS]
     run = named(h.live, out)
-    live["run"].click(run, inputs_kwargs=inputs, outputs=outputs, api_name="live", show_progress="hidden",
-                      js=SHOW_ANSWER, **MODEL_WORK, **RAW).then(named(h.after_live, out), [session], after,
-                                                                api_visibility="private")
+    clicked = live["run"].click(run, inputs_kwargs=inputs, outputs=outputs, api_name="live", show_progress="hidden",
+                                js=SHOW_ANSWER, **MODEL_WORK, **RAW)
+    clicked.then(named(h.after_live, out), [session], after, api_visibility="private")
+    clicked.failure(h.kept_model, [session], [live["panel"]["model_id"]], api_visibility="private")
     live["watch"].click(lambda: (WATCH_TREE, WATCH_TREE), None, [live["panel"]["tree"], racing["panel"]["tree"]],
                         api_visibility="private").then(
         run, inputs_kwargs=inputs, outputs=outputs, show_progress="hidden", api_visibility="private", **MODEL_WORK,
@@ -555,13 +566,16 @@ def wire_race(h: Handlers, racing: dict, live: dict, out: dict) -> None:
     inputs["race_matrix"] = racing["race_matrix"]  # last: the API's positional order stays as it was
     run = racing["run"].click(named(h.race, out), inputs_kwargs=inputs, outputs=[out[n] for n in RACE_OUTPUTS],
                               api_name="race", show_progress="hidden", **MODEL_WORK, **RAW)
+    run.failure(h.kept_model, [out["session"]], [racing["panel"]["model_id"]], api_visibility="private")
     run.success(named(h.replay, out), [out["session"]], [out[n] for n in REPLAY_OUTPUTS], api_name="replay",
                 show_progress="hidden")
     racing["stop"].click(h.stop, None, None, api_visibility="private", queue=False)
     for i, tab in enumerate((live, racing)):
-        tab["panel"]["load"].click(h.load_model, [tab["panel"]["model_id"]], [tab["panel"]["model_status"]],
+        box = tab["panel"]["model_id"]
+        tab["panel"]["load"].click(h.load_model, [box, out["session"]], [tab["panel"]["model_status"]],
                                    show_progress="hidden", **({"api_name": "load_model"} if i == 0 else
-                                                              {"api_visibility": "private"}), **MODEL_WORK, **RAW)
+                                                              {"api_visibility": "private"}), **MODEL_WORK, **RAW
+                                   ).then(h.kept_model, [out["session"]], [box], api_visibility="private")
 
 
 def outputs_by_name(live: dict, racing: dict, session: gr.State, timer: gr.Timer) -> dict:

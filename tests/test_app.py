@@ -928,3 +928,17 @@ def test_the_app_replays_an_uploaded_trace(client, recorded_trace):
     assert client.predict(api_name="/trace")["live"]["events"][0]["step"] == 0  # the session's latest run now
     with pytest.raises(Exception, match="Pick a trace file first"):
         client.predict(None, api_name="/replay_trace")
+
+
+def test_a_model_that_does_not_load_leaves_the_session_on_its_model():
+    def load(model_id, config):
+        raise ModelLoadError(f"could not load model id {model_id!r}: the hub (huggingface.co) cannot be reached")
+
+    handlers, session = app.Handlers(ModelCache(load=load), TREES), Session(model_id="")
+    shown = []
+    with pytest.raises(app.gr.Error, match="cannot be reached"):
+        for update in handlers.load_model("no-such-org/no-such-model", session):
+            shown.append(update)
+    assert shown[-1].startswith("**Not loaded.** could not load model id 'no-such-org/no-such-model'")
+    assert shown[-1].endswith("Runs keep the embedded SmolLM2-135M-Instruct.")
+    assert handlers.kept_model(session) == "" and session.model_id == ""  # the page's Model box goes back to it

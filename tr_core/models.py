@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,18 +46,45 @@ def load_model(model_id: str | None = None, dtype: torch.dtype = torch.float32, 
         source = str(folder)
     else:
         source = model_id
+    # a hub id with the hub out of reach reads the local hub cache only: it fails in a moment, not after retries
+    local_only = not Path(source).exists() and not hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
     except Exception as e:  # hub, network, file and format errors all end here
         where = "local folder" if Path(source).exists() else "model id"
+        reach = ("the hub (huggingface.co) cannot be reached from here and the local hub cache has no copy of it"
+                 if local_only else f"{type(e).__name__}: {_first_line(e).rstrip('.')}")
         raise ModelLoadError(
-            f"could not load {where} {source!r}: {type(e).__name__}: {_first_line(e).rstrip('.')}. "
+            f"could not load {where} {source!r}: {reach}. "
             "Hub ids need network access to huggingface.co (or a copy in the local hub cache); "
             "without network, use the embedded model."
         ) from None
     model.to(device).eval()
     return model, tokenizer
+
+
+HUB = ("huggingface.co", 443)
+HUB_CHECK_S = 3.0  # how long the reachability check waits for the hub
+_hub_checked: dict[str, tuple[float, bool]] = {}  # "hub" -> (when, reachable): checked at most every 5 minutes
+
+
+def hub_reachable(now: float | None = None) -> bool:
+    """Whether the Hugging Face hub answers a connection within ``HUB_CHECK_S`` (checked once every 5 minutes);
+    ``False`` at once in offline mode (``HF_HUB_OFFLINE``), where nothing may leave the machine."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    now = time.monotonic() if now is None else now
+    checked = _hub_checked.get("hub")
+    if checked is not None and now - checked[0] < 300:
+        return checked[1]
+    try:
+        socket.create_connection(HUB, timeout=HUB_CHECK_S).close()
+        reachable = True
+    except OSError:
+        reachable = False
+    _hub_checked["hub"] = (now, reachable)
+    return reachable
 
 
 def _first_line(e: Exception) -> str:

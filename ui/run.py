@@ -161,6 +161,7 @@ class _ModelRun(Stoppable):
         """Load the model if needed and set the run up; ``InputError`` or ``ModelLoadError`` if it cannot run."""
         s = self.settings
         self.base = self.models.get(s.model_id, s.mode)
+        self.session.model_id = s.model_id  # it loaded: the session's model from now on
         tree = tree_for(s.method, s.tree)
         engine = self._configured(s.method, tree)
         self.matrix, self.about_matrix = self._matrix(engine)

@@ -88,6 +88,7 @@ class Session:
     race: RaceRecord | None = None
     history: list[dict] = field(default_factory=list)
     narrow: bool = False  # the page is on a narrow screen (a phone): figures in their compact layout
+    model_id: str = ""  # the model this session last loaded or ran without a fault ("": the embedded one)
 
     def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, keep: bool = True, prompt: str | None = None
                    ) -> tuple[AdjacencyMatrix, str]:
