@@ -58,10 +58,10 @@ from ui.inputs import (  # noqa: E402
 from ui.models import ModelCache, model_name  # noqa: E402
 from ui.page import (  # noqa: E402
     BUDGET_PLACEHOLDER,
+    CLAMP_NOTES_JS,
     CSS,
     INTRO,
     MATRIX_PLACEHOLDER,
-    NARROW_PX,
     PROJECTION_PLACEHOLDER,
     RACE_INTRO,
     RACE_PLACEHOLDER,
@@ -359,9 +359,9 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
                     gr.Row(elem_classes="tr-sampling"):
                 c["temperature"] = gr.Slider(TEMPERATURE[0], TEMPERATURE[1], value=0.0, step=0.05,
                                              label="Temperature (0 = greedy)", elem_id=f"{prefix}temperature",
-                                             min_width=160)
-                c["top_p"] = gr.Slider(0.05, TOP_P[1], value=1.0, step=0.05, label="Top-p (1 = off)",
-                                       elem_id=f"{prefix}top-p", min_width=160)
+                                             min_width=260)
+                c["top_p"] = gr.Slider(TOP_P[0], TOP_P[1], value=1.0, step=0.01, label="Top-p (1 = off)",
+                                       elem_id=f"{prefix}top-p", min_width=260)
                 c["sample_top_k"] = gr.Number(0, label="Top-k filter (0 = off; not the matrix's k)", precision=0,
                                               minimum=SAMPLE_TOP_K[0], maximum=SAMPLE_TOP_K[1],
                                               elem_id=f"{prefix}sample-top-k", min_width=160)
@@ -369,7 +369,7 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
                                       elem_id=f"{prefix}seed", min_width=160)
         with gr.Column(scale=2, min_width=300):
             c["tree"] = gr.Dropdown(choices, value=DEFAULT_TREE, label="Draft tree", elem_id=f"{prefix}tree")
-            c["max_new"] = gr.Slider(8, MAX_NEW_TOKENS[1], value=64, step=8, label="Max new tokens",
+            c["max_new"] = gr.Slider(MAX_NEW_TOKENS[0], MAX_NEW_TOKENS[1], value=64, step=1, label="Max new tokens",
                                      elem_id=f"{prefix}max-new")
             with gr.Accordion("More settings: k, mode, hot start, model", open=False):
                 c["top_k"] = gr.Slider(TOP_K[0], TOP_K[1], value=8, step=1, label="k: candidates per row",
@@ -619,7 +619,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
                 racing = race_tab(choices, example_labels, allow_local_models)
             explain_tab(narrow=narrow)  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
-        demo.load(None, None, narrow, js=f"() => window.innerWidth < {NARROW_PX}", api_visibility="private")
+        demo.load(None, None, narrow, js=CLAMP_NOTES_JS, api_visibility="private")  # and whether the screen is narrow
         narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
         wire_shared(live, racing, examples, live_tab_, race_tab_)
         out = outputs_by_name(live, racing, session, timer)

@@ -123,8 +123,25 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     # the default tree is small, a fixed tree: every step draws the same nodes (auto resizes its tree)
     assert page.locator("#tree input").input_value().startswith("small: 12 draft nodes")
     tokens_box = page.locator("#max-new input[type=number]")
+    # a value outside a control's range is never changed silently: the page says what it did, in the API's terms
+    for typed, said in [("100000", "Max new tokens is at most 256; set to 256."),
+                        ("0", "Max new tokens is at least 1; set to 1.")]:
+        tokens_box.fill(typed)
+        tokens_box.press("Enter")
+        wait_for(page, "t => document.querySelector('#max-new .tr-clamped')?.textContent === t", 5, said)
+    page.get_by_text("Sampling: greedy unless you set a temperature").click()
+    temperature = page.locator("#temperature input[type=number]")
+    temperature.fill("5")
+    temperature.press("Enter")
+    wait_for(page, "t => document.querySelector('#temperature .tr-clamped')?.textContent === t", 5,
+             "Temperature (0 = greedy) is at most 2; set to 2.")
+    wait_for(page, "() => document.querySelector('#temperature input[type=number]').value === '2'", 5)
+    page.screenshot(path=shots / "01b_clamped.png")
+    temperature.fill("0")
+    temperature.press("Enter")
     tokens_box.fill(str(NEW_TOKENS))
     tokens_box.press("Enter")
+    wait_for(page, "() => !document.querySelector('#max-new .tr-clamped')", 5)  # a value in range: the note goes
 
     # Run: the answer streams step by step. The page records every count of steps it shows, as it shows it.
     page.evaluate("""() => { window.shownSteps = [];

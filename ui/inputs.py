@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tr_core.models import encode_prompt
 
-MAX_NEW_TOKENS = (1, 256)  # (lowest, highest) accepted; the page's slider offers 8-256
+MAX_NEW_TOKENS = (1, 256)  # (lowest, highest) accepted, by the API and by the page alike
 TOP_K = (1, 16)
 TEMPERATURE = (0.0, 2.0)  # 0: greedy
 TOP_P = (0.01, 1.0)  # 1: no top-p filter

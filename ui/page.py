@@ -28,6 +28,7 @@ BUDGET_PLACEHOLDER = ("With the auto tree, Token Recycling picks each step's tre
 RACE_PLACEHOLDER = "Tokens produced against time, one line per method, as measured, appear here."
 
 CSS = """
+.tr-clamped { font-size: 13px; color: #B35900; margin-top: 4px; }
 #intro p { font-size: 14px; }
 .tr-answer { white-space: pre-wrap; line-height: 1.7; font-size: 15px; min-height: 6em; padding: 8px 10px;
              border: 1px solid var(--border-color-primary); border-radius: 6px; }
@@ -73,3 +74,34 @@ CANNOT_PAY = ("On this machine drafting does not pay: the auto tree is fitted to
               "verifying even one draft token costs more than it saves, so this run drafted nothing: it was plain "
               "decoding. To watch Token Recycling draft anyway (slower than plain decoding here), run the "
               f"{WATCH_TREE} tree.")
+
+# Run once when the page loads: a number box that gets a value outside its control's range (typed, or pasted) is set
+# to the nearest allowed value and says so under the box, in the API's own terms ("Temperature (0 = greedy) is at
+# most 2; set to 2."), until a value in range is entered. It listens before the page's own handler (capture), so it
+# reads the value as typed and hands on the allowed one. Then it says whether the window is narrow (a phone).
+CLAMP_NOTES_JS = """() => {
+  const note = (input, text) => {
+    const block = input.closest('.block') || input.parentElement;
+    let el = block.querySelector(':scope > .tr-clamped');
+    if (!text) { if (el) el.remove(); return; }
+    if (!el) {
+      el = document.createElement('div'); el.className = 'tr-clamped'; el.setAttribute('role', 'status');
+      block.appendChild(el);
+    }
+    el.textContent = text;
+  };
+  document.addEventListener('change', (event) => {
+    const input = event.target;
+    if (!(input instanceof HTMLInputElement) || input.type !== 'number') return;
+    const label = (input.getAttribute('aria-label') || '').replace(/^number input for /, '') ||
+      (input.closest('.block')?.querySelector('[data-testid="block-info"]')?.textContent || 'This value').trim();
+    const value = parseFloat(input.value), min = parseFloat(input.min), max = parseFloat(input.max);
+    if (Number.isNaN(value)) note(input, `${label}: type a number.`);
+    else if (!Number.isNaN(max) && value > max) {
+      note(input, `${label} is at most ${max}; set to ${max}.`); input.value = String(max);
+    } else if (!Number.isNaN(min) && value < min) {
+      note(input, `${label} is at least ${min}; set to ${min}.`); input.value = String(min);
+    } else note(input, '');
+  }, true);
+  return window.innerWidth < %d;
+}""" % NARROW_PX
