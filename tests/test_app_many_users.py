@@ -11,6 +11,7 @@ import json as jsonlib
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -413,3 +414,17 @@ def test_a_full_queue_refuses_at_once_stop_still_works_and_the_app_keeps_serving
         assert "finished" in status_line(live(client(url), GOOD["prompt"], 8)), "and the app serves the next one"
     finally:
         demo.close()
+
+
+@pytest.mark.load
+def test_the_load_script_in_its_short_form(served):  # noqa: F811
+    """scripts/load.py, small: 3 clients, 2 runs each; every answer equals the same prompt run alone."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import load
+
+    report = load.run_load(served, clients=3, runs=2, tokens=8, limit_s=300, sample_rss=True)
+    print({k: v for k, v in report.items() if k != "rss_mb"}, {k: v for k, v in report["rss_mb"].items()
+                                                                 if k != "samples"})
+    assert report["runs"] == 6 and report["identical_to_solo"] == 6
+    assert set(report["wait_s"]) == {"p50", "p90", "max"} and report["run_s"]["p50"] > 0
+    assert report["rss_mb"]["samples"] and report["runs_per_minute"] > 0

@@ -13,6 +13,7 @@ without probabilities, e.g. a hot-start file saved without them); an unknown row
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,40 @@ def default_prior(k: int) -> list[float]:
     """The prior of a row whose probabilities are unknown, before any were written: rank r gets 2^-(r+1), halving
     per rank as the top of a peaked next-token distribution does. ``[0.5, 0.25, 0.125]`` for k = 3."""
     return [0.5 ** (r + 1) for r in range(k)]
+
+
+@dataclass(frozen=True)
+class MatrixDelta:
+    """What a matrix changed over a base matrix: the rows that differ (``index``, their ids ``rows`` and, for a
+    matrix that keeps them, their probabilities ``probs``) and its running mean of probabilities. A few dozen KB
+    for a run's rewritten rows, against the whole matrix's 1.5 MB (``AdjacencyMatrix.delta_from``, ``applied_to``)."""
+
+    index: np.ndarray  # (n,) int64, ascending
+    rows: np.ndarray  # (n, k) int32
+    probs: np.ndarray | None  # (n, k) float16, or None where the matrix keeps no probabilities
+    prob_sums: tuple[float, ...]
+    prob_count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.index.nbytes + self.rows.nbytes + (0 if self.probs is None else self.probs.nbytes)
+
+    def applied_to(self, base: "AdjacencyMatrix") -> "AdjacencyMatrix":
+        """A new matrix: ``base`` (left as it is) with these rows written over it.
+
+        >>> base, m = AdjacencyMatrix(6, k=2), AdjacencyMatrix(6, k=2)
+        >>> _ = m.update(torch.tensor([3]), torch.tensor([[4, 5]]))
+        >>> delta = m.delta_from(base)
+        >>> delta.index.tolist(), torch.equal(delta.applied_to(base).rows, m.rows), int(base.rows.sum())
+        ([3], True, 0)
+        """
+        m = base.clone()
+        if self.probs is not None:
+            m.with_probs()
+            m.probs.numpy()[self.index] = self.probs
+        m.rows.numpy()[self.index] = self.rows
+        m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
+        return m
 
 
 class AdjacencyMatrix:
@@ -68,6 +103,24 @@ class AdjacencyMatrix:
         m.probs = None if self.probs is None else self.probs.clone()
         m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
         return m
+
+    def delta_from(self, base: "AdjacencyMatrix") -> MatrixDelta:
+        """The rows of this matrix (on the CPU) that differ from ``base``'s, ids or probabilities: with
+        ``delta.applied_to(base)`` they give this matrix back."""
+        a, b = self.rows.numpy(), base.rows.numpy()
+        changed = (a != b).any(axis=1)
+        probs = None
+        if self.probs is not None:
+            probs = self.probs.numpy()
+            if base.probs is not None:
+                theirs = base.probs.numpy()
+            else:  # what base.with_probs() would hold: unknown where written, 0 elsewhere
+                theirs = np.where(b.any(axis=1, keepdims=True), np.float16("nan"), np.float16(0)).astype(np.float16)
+            same = (probs == theirs) | (np.isnan(probs) & np.isnan(theirs))
+            changed |= ~same.all(axis=1)
+        index = np.flatnonzero(changed)
+        return MatrixDelta(index, a[index].copy(), None if probs is None else probs[index].copy(),
+                           tuple(self.prob_sums), self.prob_count)
 
     def with_probs(self) -> "AdjacencyMatrix":
         """Keep probabilities from now on (in place; returns the matrix). Rows already written get unknown

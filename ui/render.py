@@ -215,4 +215,7 @@ def history_html(history: Sequence[Mapping]) -> str:
     head = "".join(f"<th>{escape(k)}</th>" for k in keys)
     body = "".join("<tr>" + "".join(f"<td>{escape(str(row.get(k, '')))}</td>" for k in keys) + "</tr>"
                    for row in reversed(history))
-    return f'<div class="tr-table-wrap"><table class="tr-table tr-history"><tr>{head}</tr>{body}</table></div>'
+    older = history[0]["run"] - 1 if history else 0
+    note = (f'<div class="tr-status">and {older} earlier run{"s" * (older != 1)}, no longer listed</div>'
+            if older > 0 else "")
+    return f'<div class="tr-table-wrap"><table class="tr-table tr-history"><tr>{head}</tr>{body}</table></div>{note}'

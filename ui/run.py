@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from tr_core import trace_file
@@ -37,7 +37,7 @@ from .inputs import InputError, prompt_ids
 from .models import ModelCache
 from .records import Baseline, RaceRun, median_run, ms_per_step
 from .render import method_label
-from .session import LiveRecord, RaceRecord, Session, starting_matrix
+from .session import LiveRecord, RaceRecord, Session, shared_start
 from .settings import DEFAULT_RACE, Settings
 from .summaries import run_summary
 
@@ -240,6 +240,8 @@ class LiveRun(_ModelRun):
             if event.finished:
                 break
             yield Snapshot(events, rates, self.note)
+        if teaches:
+            self.session.keep_matrix(self.matrix)  # what the run taught, as the rows it changed
         if events:
             what = ("live" if s.method == "tr" else f"live: {s.method}") + (" (stopped)" if self.stopped else "")
             self.session.record(what, tree_for(s.method, s.tree), s.top_k, self.start, rates)
@@ -357,6 +359,13 @@ class RaceProgress:
     rounds: dict[str, list[RaceRun]] | None = None
 
 
+def slim(run: RaceRun) -> RaceRun:
+    """A race run with what the race's table and summary read (tokens, times, tree sizes) and without the rest of
+    its events (the matrix rows each step rewrote, the tree's text): a round other than the median one."""
+    return RaceRun(run.method, [replace(e, rows_updated=[], tree_text=[], predicted=[], draft_probs=[],
+                                       budget_estimates={}, tree_ranks=[], tree_sources=[]) for e in run.events])
+
+
 def round_order(methods: tuple[str, ...], round_index: int) -> tuple[str, ...]:
     """The order the methods run in, in round ``round_index`` (from 0): rotated by one each round, so that no method
     is always first on a cold CPU, or always after the same one.
@@ -389,9 +398,9 @@ class Race(_ModelRun):
         hot start, the same whatever this session ran before; with ``race_matrix="session"``, the session's."""
         s = self.settings
         if s.race_matrix == "session" or not s.hot_start:
-            matrix, about = self.session.matrix_for(engine, s.model_id, s.hot_start, keep=False)
-            return matrix, about
-        return starting_matrix(engine, True)
+            return self.session.matrix_for(engine, s.model_id, s.hot_start)  # a copy: measuring does not teach it
+        base, about = shared_start(engine, s.model_id)
+        return base.clone(), about
 
     def prepare(self) -> None:
         super().prepare()
@@ -436,6 +445,8 @@ class Race(_ModelRun):
                 rounds[method].append(RaceRun(method, events))
                 latest[method] = rounds[method][-1]
         runs = {m: median_run(rounds[m]) for m in self.methods}
+        # the other rounds are kept for their figures (time, tokens, steps), not for their trees and matrix rows
+        rounds = {m: [r if r is runs[m] else slim(r) for r in rs] for m, rs in rounds.items()}
         for method, run in runs.items():
             tr = METHODS[method].uses_matrix
             self.session.record(f"race: {method}", tree_for(method, s.tree) if tr else "-", s.top_k if tr else "-",

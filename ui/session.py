@@ -8,13 +8,16 @@ run and race as finished records, and a summary of every run. Runs themselves li
 from __future__ import annotations
 
 import hashlib
+import pickle
+import threading
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tr_core.assets import HOT_START_DIR, hot_start_files, model_slug
 from tr_core.engine import Engine
 from tr_core.events import TOKENS_PER_PASS, Rates, StepEvent
-from tr_core.matrix import AdjacencyMatrix
+from tr_core.matrix import AdjacencyMatrix, MatrixDelta
 
 from .records import Baseline, RaceRun
 
@@ -36,6 +39,24 @@ def starting_matrix(engine: Engine, hot_start: bool, folder: Path = HOT_START_DI
     if not files:
         return AdjacencyMatrix(vocab, k), f"cold start: no hot-start matrix is shipped for {slug} (assets/hot_start/)"
     return AdjacencyMatrix(vocab, k), f"cold start: no shipped matrix fits ({reasons[0]})"
+
+
+# The starting matrix of each (model, k), loaded once per process and shared by every session, read-only: a session
+# keeps only what its runs changed over it (``MatrixDelta``), a run drafts from a copy
+_SHARED: dict[tuple, tuple[AdjacencyMatrix, str]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_start(engine: Engine, model_id: str) -> tuple[AdjacencyMatrix, str]:
+    """``starting_matrix(engine, True)``, loaded once per (model, k) and shared: never change it, copy it."""
+    key = (model_id, model_slug(engine.model), engine.vocab_size, engine.config.top_k)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = starting_matrix(engine, True)
+        return _SHARED[key]
+
+
+HISTORY_KEPT = 50  # the history table's lines a session keeps: its latest runs
 
 
 def prompt_digest(prompt: str) -> str:
@@ -79,7 +100,8 @@ class RaceRecord:
 class Session:
     """One user's state; it must deep-copy (``gr.State``)."""
 
-    matrix: AdjacencyMatrix | None = None
+    matrix_delta: MatrixDelta | None = None  # what this session's runs changed over the shared starting matrix
+    matrix_base: AdjacencyMatrix | None = None  # that starting matrix, shared by every session (never changed)
     matrix_key: tuple[str, int] | None = None  # (model id, k) the matrix belongs to
     matrix_origin: str = ""
     runs_on_matrix: int = 0  # live runs that taught the matrix since it started
@@ -90,23 +112,45 @@ class Session:
     narrow: bool = False  # the page is on a narrow screen (a phone): figures in their compact layout
     model_id: str = ""  # the model this session last loaded or ran without a fault ("": the embedded one)
 
-    def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, keep: bool = True, prompt: str | None = None
+    def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, prompt: str | None = None
                    ) -> tuple[AdjacencyMatrix, str]:
-        """The matrix a run on ``engine`` drafts from, and a line about it. With hot start, this session's matrix
-        (started from the shipped one, then taught by this session's runs); ``keep=False`` gives a copy, so that a
-        measurement does not teach it; with ``prompt``, the line counts the earlier runs on it. Without hot start, an
-        empty matrix."""
+        """A working copy of the matrix a run on ``engine`` drafts from, and a line about it. With hot start, this
+        session's matrix: the shared starting matrix (the shipped hot start) with what this session's runs taught
+        it written over it; a run that teaches it hands it back with ``keep_matrix``. With ``prompt``, the line
+        counts the earlier runs on it. Without hot start, an empty matrix."""
         if not hot_start:
             return starting_matrix(engine, False)
+        base, origin = shared_start(engine, model_id)
         key = (model_id, engine.config.top_k)
-        if self.matrix is None or self.matrix_key != key:
-            self.matrix, self.matrix_origin = starting_matrix(engine, True)
+        if self.matrix_key != key:
+            self.matrix_delta, self.matrix_origin = None, origin
             self.matrix_key, self.runs_on_matrix, self.prompt_runs = key, 0, {}
+        self.matrix_base = base  # not copied with the session: see __deepcopy__
         taught = f", then taught by your {self.runs_on_matrix} earlier run{'s' * (self.runs_on_matrix != 1)}"
         if prompt is not None:
             taught += f", {self.prompt_runs.get(prompt_digest(prompt), 0)} of them on this prompt"
-        return (self.matrix if keep else self.matrix.clone()), self.matrix_origin + (taught if self.runs_on_matrix
-                                                                                     else "")
+        matrix = self.matrix_delta.applied_to(base) if self.matrix_delta is not None else base.clone()
+        return matrix, origin + (taught if self.runs_on_matrix else "")
+
+    def keep_matrix(self, matrix: AdjacencyMatrix) -> None:
+        """What a run taught: the session keeps the rows of ``matrix`` that differ from the starting matrix."""
+        if self.matrix_base is not None:
+            self.matrix_delta = matrix.delta_from(self.matrix_base)
+
+    def __deepcopy__(self, memo):
+        """gr.State copies the initial session for every user: the shared starting matrix is never copied."""
+        copy = Session.__new__(Session)
+        memo[id(self)] = copy
+        for name, value in self.__dict__.items():
+            setattr(copy, name, value if name == "matrix_base" else deepcopy(value, memo))
+        return copy
+
+    @property
+    def state_bytes(self) -> int:
+        """What this session holds, in bytes, as pickled (the shared starting matrix left out): its matrix's rows
+        that differ from the shared one, its latest run and race, its history."""
+        state = {k: v for k, v in self.__dict__.items() if k != "matrix_base"}
+        return len(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
 
     def matrix_start(self, hot_start: bool) -> str:
         """A short name for how a run's matrix starts, for the history table: ``"shipped + 2 runs"``, ``"cold"``."""
@@ -148,8 +192,11 @@ class Session:
                               else {}))
 
     def record(self, what: str, tree: str, top_k: int | str, start: str, rates: Rates) -> None:
-        """One line of the history table."""
-        self.history.append({"run": len(self.history) + 1, "what": what, "tree": tree, "k": top_k,
+        """One line of the history table; the oldest lines go beyond ``HISTORY_KEPT`` (their runs are still
+        numbered)."""
+        number = self.history[-1]["run"] + 1 if self.history else 1
+        del self.history[:max(0, len(self.history) + 1 - HISTORY_KEPT)]
+        self.history.append({"run": number, "what": what, "tree": tree, "k": top_k,
                              "matrix at start": start, "tokens": rates.tokens, "decoding steps": rates.steps,
                              TOKENS_PER_PASS: f"{rates.mean_accepted_tokens:.2f}" if rates.steps else "-",
                              "tokens/s": f"{rates.tokens_per_s:.1f}"})
