@@ -56,6 +56,7 @@ def test_paper_tree_on_spec_bench_prompts(embedded):
     assert mat > 1.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["Reply with five emoji only: 🚲🌍🎉", "用中文写一首关于自行车的短诗。",
                                     "Translate to Japanese: good morning, friends 🌅"])
 def test_an_answer_cut_inside_a_character_shows_no_replacement_character(embedded, prompt):
