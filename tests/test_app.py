@@ -968,3 +968,20 @@ def test_a_model_that_does_not_load_leaves_the_session_on_its_model():
     assert shown[-1].startswith("**Not loaded.** could not load model id 'no-such-org/no-such-model'")
     assert shown[-1].endswith("Runs keep the embedded SmolLM2-135M-Instruct.")
     assert handlers.kept_model(session) == "" and session.model_id == ""  # the page's Model box goes back to it
+
+
+def test_empty_figures_and_the_history_fit_a_phone():
+    """The placeholders' text comes in lines a 390 px screen shows whole; the history table scrolls sideways instead
+    of being cut; past its last 50 lines the history says how many earlier runs it no longer lists."""
+    from ui.frames import PLACEHOLDER_CHARS
+    from ui.page import PROJECTION_PLACEHOLDER, RACE_PLACEHOLDER, TREE_PLACEHOLDER
+
+    for text in (TREE_PLACEHOLDER, RACE_PLACEHOLDER, PROJECTION_PLACEHOLDER):
+        lines = app.placeholder(text).layout.annotations[0].text.split("<br>")
+        assert max(len(line) for line in lines) <= PLACEHOLDER_CHARS and " ".join(lines) == text
+    session = Session()
+    for _ in range(53):
+        session.record("live", "small", 8, "shipped", Rates(10, 5, 1.0))
+    assert len(session.history) == 50 and session.history[0]["run"] == 4 and session.history[-1]["run"] == 53
+    page = history_html(session.history)
+    assert page.startswith('<div class="tr-table-wrap">') and "and 3 earlier runs, no longer listed" in page
