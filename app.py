@@ -320,6 +320,11 @@ class Handlers:
         session.model_id = model_id
         yield f"**Loaded** {described}."
 
+    def default_mode(self) -> tuple:
+        """Both tabs' mode, as a page opens: the one measured faster here (``ModelCache.measure_modes``), said so."""
+        mode, why = self.models.default_mode()
+        return tuple(gr.Radio(value=mode, info=f"default here: {mode}, {why}") for _ in range(2))
+
     @staticmethod
     def kept_model(session: Session) -> str:
         """The Model box after a load or a run: the model the session last loaded or ran without a fault."""
@@ -621,6 +626,8 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         timer = gr.Timer(PLAY_EVERY_S, active=False)
         demo.load(None, None, narrow, js=CLAMP_NOTES_JS, api_visibility="private")  # and whether the screen is narrow
         narrow.change(h.viewport, [narrow, session], [session], api_visibility="private", queue=False)
+        demo.load(h.default_mode, None, [live["panel"]["mode"], racing["panel"]["mode"]], api_visibility="private",
+                  queue=False)
         wire_shared(live, racing, examples, live_tab_, race_tab_)
         out = outputs_by_name(live, racing, session, timer)
         wire_live(h, live, racing, out, timer)
@@ -642,6 +649,8 @@ def preload(models: ModelCache) -> None:
     user, at their first run."""
     try:
         models.get("")
+        mode, why = models.measure_modes()  # the page's default mode: the one measured faster here
+        print(f"default mode: {mode} ({why})", flush=True)
     except ModelLoadError as e:
         print(f"the default model did not load: {e}", flush=True)
 

@@ -985,3 +985,29 @@ def test_empty_figures_and_the_history_fit_a_phone():
     assert len(session.history) == 50 and session.history[0]["run"] == 4 and session.history[-1]["run"] == 53
     page = history_html(session.history)
     assert page.startswith('<div class="tr-table-wrap">') and "and 3 earlier runs, no longer listed" in page
+
+
+def test_the_default_mode_is_the_one_measured_faster_here(monkeypatch, tmp_path):
+    """Both modes keep plain decoding's output; the page defaults to the one whose plain decoding measured faster
+    (stubbed timings: exact 60 ms a token, fast 30), caches the measurement per machine and says why."""
+    import ui.models as models_module
+
+    def fake_load(model_id, config):
+        step = 60.0 if config.mode == "exact" else 30.0
+        events = [SimpleNamespace(forward_ms=step, overhead_ms=0.0)] * 4
+        return SimpleNamespace(model=config.mode, generate=lambda *a, **k: SimpleNamespace(events=events))
+
+    monkeypatch.setattr(models_module, "default_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(models_module, "machine_key", lambda model: "this-machine")
+    models = ModelCache(load=fake_load)
+    assert models.default_mode() == ("exact", "the modes' speeds are not measured yet here")
+    mode, why = models.measure_modes()
+    assert mode == "fast"
+    assert why == "plain decoding measured here at 30.0 ms a token in fast mode, 60.0 in exact (2.00x)"
+    assert json.loads((tmp_path / "calibration" / "modes-this-machine.json").read_text()) == {"exact": 60.0,
+                                                                                               "fast": 30.0}
+    again = ModelCache(load=lambda *a: pytest.fail("a cached measurement is read, not measured again") if a[1].mode
+                       == "fast" else fake_load(*a))
+    assert again.measure_modes() == (mode, why) and again.default_mode() == (mode, why)
+    radios = app.Handlers(models, TREES).default_mode()
+    assert [r.value for r in radios] == ["fast", "fast"] and radios[0].info.startswith("default here: fast, plain")

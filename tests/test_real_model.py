@@ -16,7 +16,7 @@ from tr_core import (
 )
 from tr_core.spec_bench import load_questions, stratified
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32
 NEAR_TIE = 1e-3  # fp32 logit gap under which a batched and a one-token forward may pick different argmaxes
 
 

