@@ -131,6 +131,8 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
         wait_for(page, "t => document.querySelector('#max-new .tr-clamped')?.textContent === t", 5, said)
     page.get_by_text("Sampling: greedy unless you set a temperature").click()
     temperature = page.locator("#temperature input[type=number]")
+    temperature.wait_for(state="visible")
+    page.wait_for_timeout(500)  # the folded controls mount when the accordion opens: type once they have
     temperature.fill("5")
     temperature.press("Enter")
     wait_for(page, "t => document.querySelector('#temperature .tr-clamped')?.textContent === t", 5,

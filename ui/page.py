@@ -90,18 +90,23 @@ CLAMP_NOTES_JS = """() => {
     }
     el.textContent = text;
   };
-  document.addEventListener('change', (event) => {
-    const input = event.target;
+  const check = (input) => {
     if (!(input instanceof HTMLInputElement) || input.type !== 'number') return;
     const label = (input.getAttribute('aria-label') || '').replace(/^number input for /, '') ||
       (input.closest('.block')?.querySelector('[data-testid="block-info"]')?.textContent || 'This value').trim();
     const value = parseFloat(input.value), min = parseFloat(input.min), max = parseFloat(input.max);
     if (Number.isNaN(value)) note(input, `${label}: type a number.`);
     else if (!Number.isNaN(max) && value > max) {
-      note(input, `${label} is at most ${max}; set to ${max}.`); input.value = String(max);
+      note(input, `${label} is at most ${max}; set to ${max}.`); input.value = input.dataset.clamped = String(max);
     } else if (!Number.isNaN(min) && value < min) {
-      note(input, `${label} is at least ${min}; set to ${min}.`); input.value = String(min);
-    } else note(input, '');
-  }, true);
+      note(input, `${label} is at least ${min}; set to ${min}.`); input.value = input.dataset.clamped = String(min);
+    } else if (input.value !== input.dataset.clamped) {  // a value in range, not the one set above: the note goes
+      note(input, ''); delete input.dataset.clamped;
+    }
+  };
+  // before the page's own handlers (capture), on every way a typed value is committed: Enter, leaving the box, change
+  document.addEventListener('keydown', (event) => { if (event.key === 'Enter') check(event.target); }, true);
+  document.addEventListener('focusout', (event) => check(event.target), true);
+  document.addEventListener('change', (event) => check(event.target), true);
   return window.innerWidth < %d;
 }""" % NARROW_PX
