@@ -51,7 +51,7 @@ from ui.inputs import (  # noqa: E402
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    InputError,  # noqa: E402
+    InputError,
     check_model_id,
     check_step,
 )

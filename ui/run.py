@@ -76,7 +76,7 @@ def tree_note(engine: Engine, requested: str, fitted=None) -> str:
     return f"tree auto: starts at {nodes} {fit}{adapts}" if engine.adaptive else f"tree auto: {nodes} {fit}"
 
 
-def fitted_here(engine: Engine):
+def fitted_tree(engine: Engine):
     """The tree fitted to the model on this machine (shipped acceptance statistics, t(N) measured here), whatever
     tree the run drafts with; ``None`` for a model without statistics."""
     if engine.fitted is not None:
@@ -169,7 +169,7 @@ class _ModelRun(Stoppable):
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
         self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
-                            f"{tree_note(engine, tree, fitted_here(engine))}")
+                            f"{tree_note(engine, tree, fitted_tree(engine))}")
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
         """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
