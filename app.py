@@ -44,6 +44,7 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
+from ui.gradio_fix import drop_copies  # noqa: E402
 from ui.inputs import (  # noqa: E402
     MAX_NEW_TOKENS,
     SAMPLE_TOP_K,
@@ -167,13 +168,17 @@ class Handlers:
     def __init__(self, models: ModelCache, trees: list[str], allow_local_models: bool = False):
         self.models, self.trees, self.allow_local_models = models, trees, allow_local_models
         self.running: dict[str, Stoppable] = {}  # browser session -> its run, race or replay in progress
+        self.page: gr.Blocks | None = None  # the page these handlers serve (``build_app``)
 
     def _settings(self, values: dict) -> Settings:
         return Settings.check(**values, trees=self.trees, allow_local_models=self.allow_local_models)
 
     @contextmanager
     def _stoppable(self, request: gr.Request, run: Stoppable):
-        """While ``run`` goes on, Stop from the same browser session ends it."""
+        """While ``run`` goes on, Stop from the same browser session ends it. First, the session's component copies
+        that earlier runs left in gradio's state go (``ui.gradio_fix``)."""
+        if self.page is not None:
+            drop_copies(self.page, request.session_hash)
         self.running[request.session_hash] = run
         try:
             yield run
@@ -323,7 +328,7 @@ class Handlers:
     def default_mode(self) -> tuple:
         """Both tabs' mode, as a page opens: the one measured faster here (``ModelCache.measure_modes``), said so."""
         mode, why = self.models.default_mode()
-        return tuple(gr.Radio(value=mode, info=f"default here: {mode}, {why}") for _ in range(2))
+        return tuple(gr.Radio(value=mode, info=mode_info(mode, why)) for _ in range(2))
 
     @staticmethod
     def kept_model(session: Session) -> str:
@@ -350,9 +355,22 @@ def example_prompts() -> tuple[list[str], list[str]]:
     return [q.prompt for q in picks], labels
 
 
-def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_models: bool) -> dict:
+def mode_info(mode: str, why: str) -> str | None:
+    """The Mode control's line: which mode is the default here and why."""
+    return f"default here: {mode}, {why}" if why else None
+
+
+def mode_control(prefix: str, mode: tuple[str, str]) -> gr.Radio:
+    """The Mode control, set to ``mode`` (``ModelCache.default_mode``: measured by an earlier start here, so that a
+    Run clicked before the page's load event decodes in it; the load event sets it again once measured)."""
+    return gr.Radio([(MODE_LABELS[m], m) for m in MODES], value=mode[0], info=mode_info(*mode),
+                    label="Mode (every method alike)", elem_id=f"{prefix}mode")
+
+
+def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_models: bool,
+                   mode: tuple[str, str] = ("exact", "")) -> dict:
     """The run's settings, as one tab shows them (``prefix`` tells its elements apart): the prompt and the tree in
-    sight, the rest folded. Both tabs have one, kept alike."""
+    sight, the rest folded. Both tabs have one, kept alike. ``mode``: the default mode and why (``mode_control``)."""
     c = {}
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=300):
@@ -379,8 +397,7 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
             with gr.Accordion("More settings: k, mode, hot start, model", open=False):
                 c["top_k"] = gr.Slider(TOP_K[0], TOP_K[1], value=8, step=1, label="k: candidates per row",
                                        elem_id=f"{prefix}k")
-                c["mode"] = gr.Radio([(MODE_LABELS[m], m) for m in MODES], value="exact",
-                                     label="Mode (every method alike)", elem_id=f"{prefix}mode")
+                c["mode"] = mode_control(prefix, mode)
                 c["hot"] = gr.Checkbox(True, label="Hot start: begin from the shipped matrix and keep what your runs "
                                        "teach it (off: an empty matrix every run)", elem_id=f"{prefix}hot")
                 c["model_id"] = gr.Textbox("", label="Model: hub id" + (" or local folder" if allow_local_models
@@ -392,9 +409,9 @@ def settings_panel(prefix: str, choices, example_labels: list[str], allow_local_
     return c
 
 
-def live_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
+def live_tab(choices, example_labels: list[str], allow_local_models: bool, mode: tuple[str, str]) -> dict:
     """The Live tab's components, by name; an output's label is the name an API caller reads it by."""
-    c = {"panel": settings_panel("", choices, example_labels, allow_local_models)}
+    c = {"panel": settings_panel("", choices, example_labels, allow_local_models, mode)}
     with gr.Row():
         c["method"] = gr.Dropdown(method_choices(), value="tr", label="Method", elem_id="method", min_width=200,
                                   scale=2)
@@ -456,14 +473,14 @@ def json_panel() -> dict:
     return c
 
 
-def race_tab(choices, example_labels: list[str], allow_local_models: bool) -> dict:
+def race_tab(choices, example_labels: list[str], allow_local_models: bool, mode: tuple[str, str]) -> dict:
     """The Race tab's components, by name; an output's label is the name an API caller reads it by."""
     gr.Markdown(f"Plain decoding and the methods you pick, each run {RACE_ROUNDS} times, interleaved: the median "
                 "speed with its range, every output checked against plain decoding's, and a verdict on why Token "
                 "Recycling won or lost on this machine.")
     with gr.Accordion("How the race measures", open=False):
         gr.Markdown(RACE_INTRO + "\n\n" + RACE_ROUNDS_NOTE)
-    c = {"panel": settings_panel("race-", choices, example_labels, allow_local_models)}
+    c = {"panel": settings_panel("race-", choices, example_labels, allow_local_models, mode)}
     c["race_methods"] = gr.CheckboxGroup(method_choices(RACE_CHOICES), value=list(DEFAULT_RACE),
                                          label="Race against plain decoding", elem_id="race-methods")
     c["race_matrix"] = gr.Radio([(about, name) for name, about in RACE_MATRICES.items()], value="shipped",
@@ -619,9 +636,9 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         narrow = gr.Checkbox(False, visible=False, elem_id="narrow")
         with gr.Tabs():
             with gr.Tab("Live", id="live", elem_id="live-tab") as live_tab_:
-                live = live_tab(choices, example_labels, allow_local_models)
+                live = live_tab(choices, example_labels, allow_local_models, h.models.default_mode())
             with gr.Tab("Race", id="race", elem_id="race-tab") as race_tab_:
-                racing = race_tab(choices, example_labels, allow_local_models)
+                racing = race_tab(choices, example_labels, allow_local_models, h.models.default_mode())
             explain_tab(narrow=narrow)  # "How it works": replays a recorded trace, needs no model
         timer = gr.Timer(PLAY_EVERY_S, active=False)
         demo.load(None, None, narrow, js=CLAMP_NOTES_JS, api_visibility="private")  # and whether the screen is narrow
@@ -632,6 +649,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         out = outputs_by_name(live, racing, session, timer)
         wire_live(h, live, racing, out, timer)
         wire_race(h, racing, live, out)
+    h.page = demo
     return demo
 
 

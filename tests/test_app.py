@@ -1011,3 +1011,10 @@ def test_the_default_mode_is_the_one_measured_faster_here(monkeypatch, tmp_path)
     assert again.measure_modes() == (mode, why) and again.default_mode() == (mode, why)
     radios = app.Handlers(models, TREES).default_mode()
     assert [r.value for r in radios] == ["fast", "fast"] and radios[0].info.startswith("default here: fast, plain")
+    # a later start builds the page with the mode an earlier one measured, before any model is loaded: a Run
+    # clicked before the page's load event ran decodes in it too
+    fresh = ModelCache(load=lambda *a: pytest.fail("the page is built without loading a model"))
+    assert fresh.default_mode() == (mode, why)
+    demo = app.build_app(fresh)
+    radios = [b for b in demo.blocks.values() if type(b).__name__ == "Radio" and b.label.startswith("Mode")]
+    assert len(radios) == 2 and all(r.value == "fast" and r.info == f"default here: fast, {why}" for r in radios)

