@@ -453,6 +453,8 @@ def test_the_tab_walks_through_every_page_without_a_model(no_model_app, tmp_path
 
         # the explorer: open it, type a token's id and read its row
         page.locator("#explorer-accordion").get_by_text("Matrix explorer").first.click()
+        hot_first = explorer_choices(LESSON.hot)[0][1]  # filled as it opens, not held in every session's page
+        page.wait_for_selector(f'#explorer [data-token="{hot_first}"]', timeout=15_000)
         token = EVENT.tree_tokens[0]
         box = page.locator("#explorer-token input")
         box.fill(str(token))
@@ -480,6 +482,16 @@ def test_the_tab_walks_through_every_page_without_a_model(no_model_app, tmp_path
         phone.locator("#explain-indicator").scroll_into_view_if_needed()
         time.sleep(0.3)
         phone.screenshot(path=shots / "explain_phone_3.png")
+        compact = [str(lesson.page_figure(LESSON, i, True).layout.title.text)[:14].replace("&gt;", ">")
+                   for i in range(len(PAGES))]
+        for i in range(len(PAGES)):  # every page at phone width: its compact figure within the screen
+            phone.click(f"#explain-page-{i + 1}")
+            _wait_for_page(phone, i + 1, compact[i])
+            figure = phone.locator("#explain-plot .js-plotly-plot").bounding_box()
+            assert figure["x"] >= 0 and figure["x"] + figure["width"] <= 390, (i + 1, figure)
+            phone.locator("#explain-indicator").scroll_into_view_if_needed()
+            time.sleep(0.3)
+            phone.screenshot(path=shots / f"explain_phone_{i + 1}.png", full_page=True)
         outside = [u for u in requests if urlparse(u).scheme not in ("data", "blob")
                    and urlparse(u).hostname not in {"127.0.0.1", "localhost"}]
         assert not outside, f"requests left 127.0.0.1: {outside}"
