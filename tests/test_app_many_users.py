@@ -367,6 +367,26 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
         app_process.wait(timeout=30)
 
 
+def test_a_sessions_state_stays_the_same_size_run_after_run(app_models):  # noqa: F811
+    """gradio files a session's copies of the outputs a run updated under new ids (``ui.gradio_fix``); without the
+    fix, every Live run added 9 entries to its session's state, for good."""
+    demo = app.build_app(app_models)
+    _, url, _ = app.launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
+                           quiet=True)
+    try:
+        c = client(url)
+        sizes = []
+        for i in range(4):
+            live(c, f"Name {i + 2} colours.", 2)
+            (state,) = demo.state_holder.session_data.values()
+            sizes.append((len(state.blocks_config.blocks), len(state.config_values)))
+        assert sizes[1] == sizes[2] == sizes[3], sizes
+        extra = len(state.blocks_config.blocks) - len(demo.default_config.blocks)
+        assert 0 <= extra <= 12, f"{extra} component copies kept beyond the page's own"
+    finally:
+        demo.close()
+
+
 # --- security -------------------------------------------------------------------------------------------------------
 
 def test_the_code_never_trusts_remote_code_nor_opens_a_share_link():
