@@ -201,18 +201,19 @@ def build_tab(lesson: Lesson | None = None, narrow=None) -> ExplainTab | None:
                 text = gr.Markdown(page_text(lesson, 0), elem_id="explain-text")
             with gr.Column(scale=3, min_width=320):
                 plot = gr.Plot(page_figure(lesson, 0), show_label=False, elem_id="explain-plot")
+        # the explorer's token list and first row (about 27 KB) are filled when it is opened, not held in every
+        # browser session's copy of the page (gradio keeps one per session)
         with gr.Accordion("Matrix explorer: one token's row of the adjacency matrix through the whole run",
-                          open=False, elem_id="explorer-accordion"):
+                          open=False, elem_id="explorer-accordion") as explorer:
             gr.Markdown("Pick a token, or type its text or id, to see its row of the adjacency matrix through the "
                         "recorded run: which decoding steps rewrote it, what changed, and how it ended.")
-            choices = explorer_choices(lesson.hot)
             with gr.Row():
-                token = gr.Dropdown(choices, value=choices[0][1], allow_custom_value=True, scale=3,
+                token = gr.Dropdown([], value=None, allow_custom_value=True, scale=3,
                                     label="Token (the run rewrote these rows; most rewritten first)",
                                     elem_id="explorer-token")
                 run = gr.Radio([(RUN_NAMES["hot"], "hot"), (RUN_NAMES["cold"], "cold")], value="hot", scale=1,
                                label="Run", elem_id="explorer-run")
-            table = gr.HTML(explorer_html(lesson, choices[0][1]), elem_id="explorer")
+            table = gr.HTML("", elem_id="explorer")
 
         def switch_run(name: str):
             picks = explorer_choices(lesson.hot if name == "hot" else lesson.cold)
@@ -231,4 +232,5 @@ def build_tab(lesson: Lesson | None = None, narrow=None) -> ExplainTab | None:
         narrow.change(lambda i, small: page_figure(lesson, i, small is True), [index, narrow], plot, **quiet)
         token.input(lambda q, name: explorer_html(lesson, q, name), [token, run], table, **quiet)
         run.input(switch_run, run, [token, table], **quiet)
+        explorer.expand(switch_run, run, [token, table], **quiet)
     return ExplainTab(index, indicator, text, plot, back, forward, pages, table, narrow)

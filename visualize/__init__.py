@@ -22,9 +22,12 @@ from .charts import (
 )
 from .mask_fig import ancestor_mask, mask_figure
 from .matrix_fig import matrix_figure, shown_rows
+from .palette import use_slim_template
 from .trace import label, load_trace, text_lookup, token_text_map, visible
 from .tree_fig import step_traces, tree_animation, tree_figure
 from .tree_layout import node_roles, tree_layout
+
+use_slim_template()  # every figure of this package: plotly's default look, without the template's unused bytes
 
 __all__ = [
     "accepted_length_figure", "accepted_lengths", "ancestor_mask", "budget_figure", "budget_title", "label",

@@ -137,7 +137,7 @@ def step_shapes(event: StepEvent, context: bool | None = None) -> list[dict]:
 def draft_rank(event: StepEvent, i: int) -> int | None:
     """Node ``i``'s rank among its parent's k candidates in the matrix (0 = likeliest), or None where the node
     did not come from a matrix row: the root, a node copied from the context, a prompt-lookup chain."""
-    if i == 0 or event.method == "pld" or node_sources(event)[i] == "context":
+    if i == 0 or event.method == "pld" or node_sources(event)[i] in ("context", "datastore"):
         return None
     return event.tree_ranks[i]
 
@@ -151,7 +151,10 @@ def _node_hover(event: StepEvent, i: int, depth: int, source: str, text: TokenNa
         p = event.tree_parents[i]
         parent = quoted(event.tree_text[p])
         rank = draft_rank(event, i)
-        if rank is None:  # not from the matrix: tree_ranks holds -1 (or a chain's 0)
+        if source == "datastore":
+            lines.append("retrieved from the datastore: one of the continuations that most often followed the "
+                         f"longest match of the text ending here (parent {parent}, node {p})")
+        elif rank is None:  # not from the matrix: tree_ranks holds -1 (or a chain's 0)
             lines.append("copied from the context: what followed the latest earlier occurrence of the text ending "
                          f"here (parent {parent}, node {p})")
         else:
