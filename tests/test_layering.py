@@ -30,7 +30,8 @@ FORBIDDEN = {  # package -> the top-level modules none of its modules may import
 TR_CORE_FOR_VISUALIZE = {"tr_core", "tr_core.events"}  # the parts of tr_core visualize may import
 # Within tr_core: the algorithm (its top-level modules) and the speed code never import the tools (benchmark, asset
 # builders); the speed code never imports the methods beyond the paper nor the engine that assembles them.
-WITHIN = {"tr_core": {"tr_core.tools"}, "tr_core.speed": {"tr_core.tools", "tr_core.beyond", "tr_core.engine"}}
+WITHIN = {"tr_core": {"tr_core.tools"},
+          "tr_core.speed": {"tr_core.tools", "tr_core.beyond", "tr_core.rivals", "tr_core.engine"}}
 TOP = ("app", "benchmark")  # the top-level modules; they may import anything
 
 # In a fresh interpreter: import each module named on the command line, in order, and print what each brought in.

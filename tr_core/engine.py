@@ -132,6 +132,7 @@ class Learners:
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  config: EngineConfig = EngineConfig()):
+        self._datastore = None  # REST's, on first use (``datastore``)
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -208,8 +209,8 @@ class Engine:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
         engine = Engine.__new__(Engine)
-        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head = (
-            self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head)
+        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head, engine._datastore = (
+            self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head, self._datastore)
         engine.config = config
         if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
                                                                self.config.fit_context):
@@ -234,6 +235,18 @@ class Engine:
         engine.matrix = matrix
         return engine
 
+    def datastore(self):
+        """REST's datastore for this engine's tokenizer (``rivals.rest.python_sources_datastore``: built on first
+        use, then cached on disk and shared by the process), unless one was given (``use_datastore``)."""
+        if self._datastore is None:
+            from .rivals.rest import python_sources_datastore
+            self._datastore = python_sources_datastore(self.tokenizer)
+        return self._datastore
+
+    def use_datastore(self, store) -> None:
+        """Draft REST from ``store`` (a ``rivals.rest.Datastore`` in this model's vocabulary)."""
+        self._datastore = store
+
     def drafter(self, method: str | None = None) -> Drafter:
         method = check_method(method or self.config.method)
         seed = self.config.seed_from_prompt
@@ -244,6 +257,9 @@ class Engine:
         if method == "suffix":
             from .beyond.suffix import SuffixDrafter
             return SuffixDrafter()
+        if method == "rest":
+            from .rivals.rest import RestDrafter
+            return RestDrafter(self.datastore())
         if method == "tr":
             budget = self.budget_for(method)
             if budget is None:

@@ -30,6 +30,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("suffix", "Suffix decoding",
            "A small tree of the continuations that most often followed the longest earlier match of the context's "
            "end (after SuffixDecoding, arXiv 2411.04975).", False),
+    Method("rest", "REST",
+           "Retrieval: a tree of what most often followed the longest match of the context's end in a datastore of "
+           "text fixed beforehand (here the Python standard library's sources; after He et al., arXiv 2311.08252).",
+           False),
     Method("tr", "Token Recycling",
            "The paper's method: a draft tree retrieved from the adjacency matrix by a fixed template.", True),
     Method("tr-context", "Token Recycling + context",

@@ -130,22 +130,35 @@ class ContextIndex:
         occurrences, as a frequency trie (see ``Continuations``)."""
         match, ends = self.longest_match(max_occurrences)
         root = self.tokens[-1] if self.tokens else -1
-        tokens, parents, counts, children = [root], [-1], [len(ends)], [[]]
-        first: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        for end in reversed(ends):  # the latest first: its nodes come first among equals
-            node = 0
-            for t in self.tokens[end + 1:end + 1 + depth]:
-                child = first.get((node, t))
-                if child is None:
-                    child = first[node, t] = len(tokens)
-                    tokens.append(t)
-                    parents.append(node)
-                    counts.append(0)
-                    children.append([])
-                    children[node].append(child)
-                counts[child] += 1
-                node = child
-        return Continuations(match, len(ends), tokens, parents, counts, children)
+        # the latest occurrence first: its nodes come first among equals
+        return frequency_trie(root, match, [self.tokens[end + 1:end + 1 + depth] for end in reversed(ends)])
+
+
+def frequency_trie(root: int, match: int, sequences: Iterable[Iterable[int]]) -> Continuations:
+    """The frequency trie (``Continuations``) of ``sequences``, the continuations of ``match`` matched tokens' earlier
+    occurrences (one each, the first given first among equals), under the node ``root``.
+
+    >>> trie = frequency_trie(7, 1, [[3, 4], [3, 5], [6]])
+    >>> trie.tokens, trie.parents, trie.counts
+    ([7, 3, 4, 5, 6], [-1, 0, 1, 1, 0], [3, 2, 1, 1, 1])
+    """
+    tokens, parents, counts, children = [root], [-1], [0], [[]]
+    first: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for sequence in sequences:
+        counts[0] += 1
+        node = 0
+        for t in sequence:
+            child = first.get((node, t))
+            if child is None:
+                child = first[node, t] = len(tokens)
+                tokens.append(t)
+                parents.append(node)
+                counts.append(0)
+                children.append([])
+                children[node].append(child)
+            counts[child] += 1
+            node = child
+    return Continuations(match, counts[0], tokens, parents, counts, children)
 
 
 def caught_up(index: ContextIndex, context: torch.Tensor) -> ContextIndex:

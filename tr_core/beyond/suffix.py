@@ -10,7 +10,7 @@ import torch
 
 from ..drafters import Draft, PlainDrafter
 from ..tree import chain_tree, tree_from_parents
-from .ngrams import ContextIndex, caught_up
+from .ngrams import ContextIndex, Continuations, caught_up
 
 
 class SuffixDrafter(PlainDrafter):
@@ -36,11 +36,17 @@ class SuffixDrafter(PlainDrafter):
         self.index = caught_up(self.index, context)
         trie = self.index.continuations(self.max_nodes, self.max_occurrences)
         nodes = trie.best_first(self.max_nodes) if trie.match >= self.min_match else []
-        if not nodes:
-            return Draft(context[-1:].clone(), chain_tree(0))
-        place = {node: i for i, node in enumerate(nodes, start=1)}
-        parents = [-1] + [place.get(trie.parents[node], 0) for node in nodes]
-        tree, order = tree_from_parents(parents, [0] + [-1] * len(nodes), name="suffix",
-                                        sources=["root"] + ["context"] * len(nodes))
-        drafted = [int(context[-1])] + [trie.tokens[node] for node in nodes]
-        return Draft(torch.tensor([drafted[i] for i in order], dtype=torch.long, device=context.device), tree)
+        return trie_draft(context, trie, nodes, "suffix", "context")
+
+
+def trie_draft(context: torch.Tensor, trie: Continuations, nodes: list[int], name: str, source: str) -> Draft:
+    """The draft of a frequency trie's chosen ``nodes`` (``Continuations.best_first``) under the context's last token,
+    each drafted node's source said to be ``source``; no nodes: the root alone."""
+    if not nodes:
+        return Draft(context[-1:].clone(), chain_tree(0))
+    place = {node: i for i, node in enumerate(nodes, start=1)}
+    parents = [-1] + [place.get(trie.parents[node], 0) for node in nodes]
+    tree, order = tree_from_parents(parents, [0] + [-1] * len(nodes), name=name,
+                                    sources=["root"] + [source] * len(nodes))
+    drafted = [int(context[-1])] + [trie.tokens[node] for node in nodes]
+    return Draft(torch.tensor([drafted[i] for i in order], dtype=torch.long, device=context.device), tree)
