@@ -323,11 +323,10 @@ def process_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-# Measured on the 2-vCPU AMD EPYC this project is built on: the app's own process (this test's clients run in
-# another) grew 0.38-0.40 MB a run over 100 four-token runs in 10 sessions, MALLOC_ARENA_MAX=2 or not; tracemalloc
-# in the server put it in gradio's streaming path (plotly figure JSON and SSE message strings kept, about 8 and 5 a
-# run), not in the sessions' state (Session.state_bytes: about 17 KB after a run); 60 one-token runs in 20
-# sessions: 0.58 MB a run. The bound is 2.5x the larger figure.
+# Measured on the 2-vCPU AMD EPYC this project is built on, the app in its own process: before ui.gradio_fix, 0.38 to
+# 0.58 MB a run over 30 to 100 runs (gradio filed copies of a session's outputs under new ids, 9 a run, never dropped);
+# after it, 20 sessions x 10 one-token runs grew 0.18 MB a run over all 200, the growth front-loaded (the heap's warm-up:
+# +0.02 MB a run over the last 140). This test's 30 runs fall in the warm-up, so its bound stays 1.5 MB a run.
 MB_PER_RUN = 1.5
 
 
