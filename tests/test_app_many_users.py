@@ -323,10 +323,10 @@ def process_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-# Measured on the 2-vCPU AMD EPYC this project is built on, the app in its own process: before ui.gradio_fix, 0.38 to
-# 0.58 MB a run over 30 to 100 runs (gradio filed copies of a session's outputs under new ids, 9 a run, never dropped);
-# after it, 20 sessions x 10 one-token runs grew 0.18 MB a run over all 200, the growth front-loaded (the heap's warm-up:
-# +0.02 MB a run over the last 140). This test's 30 runs fall in the warm-up, so its bound stays 1.5 MB a run.
+# Measured on the 2-vCPU AMD EPYC this project is built on, the app in its own process: before ui.gradio_fix, 0.38
+# to 0.58 MB a run over 30 to 100 runs (gradio filed copies of a session's outputs under new ids, 9 a run, never
+# dropped); after it, 20 sessions x 10 one-token runs grew 0.18 MB a run over all 200, the growth front-loaded (the
+# heap's warm-up: +0.02 MB a run over the last 140). This test's 30 runs fall in the warm-up: its bound stays 1.5 MB.
 MB_PER_RUN = 1.5
 
 
