@@ -129,3 +129,22 @@ def test_rest_gives_plain_samplings_tokens(tiny):
         assert result.token_ids == want, f"{arch} REST {sampling.describe()}"
         accepted += sum(len(e.accepted_path) - 1 for e in result.events)
     assert accepted > 0
+
+
+def test_the_engine_drafts_rest_sized_by_this_machines_step_times(tiny_folder):
+    """``Engine(...).generate(method="rest")``: plain decoding's tokens, drafts from the datastore it is given, at
+    most 8 nodes a step and sized by t(N) measured for the model (a datastore holding the answer drafts it)."""
+    from tr_core.engine import Engine
+
+    _, model, tokenizer = tiny_folder
+    engine = Engine(model, tokenizer)
+    plain = engine.generate("Hello there", 24, method="plain")
+    prompt_ids = engine.encode("Hello there")
+    engine.use_datastore(Datastore(np.array(prompt_ids + plain.token_ids + [SEP] + prompt_ids[-3:] + plain.token_ids,
+                                            dtype=np.int32)))
+    drafter = engine.drafter("rest")
+    assert drafter.step_ms is not None and drafter.step_ms(8) >= drafter.step_ms(1) > 0
+    rest = engine.generate("Hello there", 24, method="rest")
+    assert rest.token_ids == plain.token_ids
+    assert all(len(e.tree_tokens) <= 9 and set(e.tree_sources) <= {"root", "datastore"} for e in rest.events)
+    assert sum(len(e.accepted_path) - 1 for e in rest.events) > 0

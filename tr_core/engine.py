@@ -257,9 +257,10 @@ class Engine:
         if method == "suffix":
             from .beyond.suffix import SuffixDrafter
             return SuffixDrafter()
-        if method == "rest":
+        if method == "rest":  # as many of the likeliest nodes as pay for themselves on this machine's t(N)
             from .rivals.rest import RestDrafter
-            return RestDrafter(self.datastore())
+            curve = context_curve(self.model, self.config.fit_context)
+            return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n))
         if method == "tr":
             budget = self.budget_for(method)
             if budget is None:

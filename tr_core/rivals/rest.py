@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -225,25 +225,55 @@ def python_sources_datastore(tokenizer, cache_dir: Path | None = None) -> Datast
         return store
 
 
+def sized(counts: list[int], occurrences: int, step_ms: Callable[[int], float] | None, max_nodes: int) -> int:
+    """How many of a trie's best-first nodes (their ``counts``, in that order) to draft: with ``step_ms`` (a step's
+    time for N tree tokens, the root included, measured here), the number with the most expected tokens per ms, each
+    node's chance of acceptance taken as its count over the occurrences (the datastore's estimate, 1 for the bonus
+    token); without it, all of them (at most ``max_nodes``).
+
+    >>> sized([8, 6, 1], 10, lambda n: 10.0 + n, 8)   # 1 + .8 + .6 tokens for 13 ms beats 2.4 + .1 for 14 ms
+    2
+    >>> sized([8, 6, 1], 10, None, 8), sized([], 10, lambda n: 10.0, 8)
+    (3, 0)
+    """
+    counts = counts[:max_nodes]
+    if step_ms is None or not counts or occurrences <= 0:
+        return len(counts)
+    best, best_rate, expected = 0, 1.0 / step_ms(1), 1.0
+    for n, count in enumerate(counts, start=1):
+        expected += count / occurrences
+        rate = expected / step_ms(n + 1)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
 class RestDrafter(PlainDrafter):
     """REST's draft: of the continuations that followed the longest datastore match of the context's end (up to
-    ``max_occurrences`` of its occurrences, ``depth`` tokens each), the ``max_nodes`` likeliest trie nodes, grown
-    best-first; no match: the root alone.
+    ``max_occurrences`` of its occurrences, ``depth`` tokens each), the likeliest trie nodes, grown best-first: at
+    most ``max_nodes``, and where ``step_ms`` (t(N) measured on this machine) is given, as many as maximise the
+    expected tokens per ms (``sized``); no match: the root alone.
 
     >>> store = Datastore(np.array([1, 2, 3, 4, 1, SEP, 1, 2, 3, 5, SEP, 2, 3, 4, 2], dtype=np.int32))
     >>> draft = RestDrafter(store, max_nodes=3).propose(torch.tensor([9, 2, 3]))  # after 2 3: 4 1, 5, 4 2
     >>> draft.tokens.tolist(), draft.tree.parents.tolist(), draft.tree.sources[:2]
     ([3, 4, 5, 1], [-1, 0, 0, 1], ('root', 'datastore'))
+    >>> RestDrafter(store, step_ms=lambda n: 10.0 + 8 * n).propose(torch.tensor([9, 2, 3])).tokens.tolist()
+    [3, 4]
     """
 
     name = "rest"
 
-    def __init__(self, store: Datastore, max_nodes: int = 8, depth: int = 6, max_occurrences: int = 64):
+    def __init__(self, store: Datastore, max_nodes: int = 8, depth: int = 6, max_occurrences: int = 64,
+                 step_ms: Callable[[int], float] | None = None):
         if max_nodes < 1 or depth < 1 or max_occurrences < 1:
             raise ValueError("a REST drafter needs max_nodes, depth and max_occurrences >= 1")
         self.store, self.max_nodes, self.depth, self.max_occurrences = store, max_nodes, depth, max_occurrences
+        self.step_ms = step_ms
 
     def propose(self, context: torch.Tensor) -> Draft:
         tail = context[-SORTED:].tolist()
         trie = self.store.continuations(tail, self.depth, self.max_occurrences)
-        return trie_draft(context, trie, trie.best_first(self.max_nodes), "rest", "datastore")
+        nodes = trie.best_first(self.max_nodes)
+        nodes = nodes[:sized([trie.counts[i] for i in nodes], trie.occurrences, self.step_ms, self.max_nodes)]
+        return trie_draft(context, trie, nodes, "rest", "datastore")
