@@ -34,6 +34,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "token-recycling"
 
 
+def file_name(raw: str) -> str:
+    """``raw`` as a file name in the cache folder: letters, digits, ``-``, ``.`` and ``_`` kept, the rest ``_``.
+
+    >>> file_name("AMD EPYC 7R13/x")
+    'AMD_EPYC_7R13_x'
+    """
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
+
+
 def load_model(model_id: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                cache_dir: Path | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` in eval mode.

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from tr_core.engine import Engine, EngineConfig
-from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir
+from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir, file_name
 from tr_core.speed import machine_key
 from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype
 from tr_core.speed.layouts import cpu_name
@@ -58,14 +58,10 @@ def choose_mode(ms_per_token: dict[str, float]) -> tuple[str, str]:
     return mode, why
 
 
-def _safe(raw: str) -> str:
-    return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)
-
-
 def mode_choice_path() -> Path:
     """Where the page's default mode, once measured, is kept for this processor and thread count, so that the next
     start builds the page with it before any model is loaded (``ModelCache.default_mode``)."""
-    return default_cache_dir() / "calibration" / _safe(f"default-mode-{cpu_name()}-t{torch.get_num_threads()}.json")
+    return default_cache_dir() / "calibration" / file_name(f"default-mode-{cpu_name()}-t{torch.get_num_threads()}.json")
 
 
 def model_name(model_id: str) -> str:
@@ -121,7 +117,7 @@ class ModelCache:
         the first a warm-up; the median of the others), choose the default mode (``choose_mode``) and cache the
         timings per machine; a cached measurement is read instead."""
         engine = self.get("")
-        path = default_cache_dir() / "calibration" / _safe(f"modes-{machine_key(engine.model)}.json")
+        path = default_cache_dir() / "calibration" / file_name(f"modes-{machine_key(engine.model)}.json")
         if path.is_file():
             timings = json.loads(path.read_text())
         else:

@@ -22,6 +22,7 @@ per tokenizer outside the repository and shared read-only by every request of th
 from __future__ import annotations
 
 import hashlib
+import json
 import sysconfig
 import threading
 import time
@@ -35,6 +36,7 @@ import torch
 from ..beyond.ngrams import Continuations, frequency_trie
 from ..beyond.suffix import trie_draft
 from ..drafters import Draft, PlainDrafter
+from ..models import default_cache_dir, file_name
 
 SEP = -1  # between documents: no match or continuation crosses it
 SORTED = 16  # the suffix array orders suffixes by this many tokens: the longest match searched
@@ -55,7 +57,6 @@ class Datastore:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32)
         if self.order is None:
             self.order = suffix_array(self.tokens, SORTED)
-        self._list = None
 
     def __len__(self) -> int:
         return int(self.tokens.size)
@@ -81,8 +82,8 @@ class Datastore:
 
     def longest_match(self, context: list[int], limit: int | None = None) -> tuple[int, list[int]]:
         """The length m of the context's longest suffix (at most ``SORTED`` tokens, no ``SEP``) that occurs in the
-        datastore with something after it, and the positions just after up to ``limit`` of its occurrences (all:
-        None), ascending; (0, []) when not even the last token occurs."""
+        datastore, and the positions just after up to ``limit`` of its occurrences (all: None), ascending, those at a
+        document's end left out; (0, []) when not even the last token occurs."""
         context = [int(t) for t in context[-SORTED:]]
         best = (0, (0, 0))
         lo, hi = 1, len(context)
@@ -114,8 +115,6 @@ class Datastore:
         return frequency_trie(int(context[-1]) if len(context) else -1, match, sequences)
 
     def save(self, path: Path) -> None:
-        import json
-
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=self.tokens, order=self.order, about=np.array(json.dumps(self.about)))
@@ -123,8 +122,6 @@ class Datastore:
 
     @classmethod
     def load(cls, path: Path) -> "Datastore":
-        import json
-
         with np.load(path) as data:
             return cls(data["tokens"], json.loads(str(data["about"])), data["order"])
 
@@ -196,7 +193,7 @@ def tokenizer_key(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     digest = hashlib.sha256(repr(vocab).encode()).hexdigest()[:12]
     name = Path(str(getattr(tokenizer, "name_or_path", "") or "tokenizer")).name or "tokenizer"
-    key = "".join(c if c.isalnum() or c in "-._" else "_" for c in f"{name}-{digest}")
+    key = file_name(f"{name}-{digest}")
     _KEYS[id(tokenizer)] = (tokenizer, key)
     return key
 
@@ -204,8 +201,6 @@ def tokenizer_key(tokenizer) -> str:
 def python_sources_datastore(tokenizer, cache_dir: Path | None = None) -> Datastore:
     """This project's datastore for ``tokenizer``: the Python standard library's sources (``python_sources``), read
     from the cache folder, or built and cached there on first use; one per process and tokenizer, shared."""
-    from ..models import default_cache_dir
-
     key = tokenizer_key(tokenizer)
     with _LOCK:
         if key in _STORES:
