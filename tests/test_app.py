@@ -40,7 +40,7 @@ from ui.render import (  # noqa: E402
     race_verdict,
     split_step,
 )
-from ui.run import Every, LiveRun, Race, tree_note  # noqa: E402
+from ui.run import Every, LiveRun, Race, draft_note, tree_note  # noqa: E402
 from ui.session import Session, starting_matrix  # noqa: E402
 from ui.settings import Settings, tree_choices, tree_names  # noqa: E402
 
@@ -252,6 +252,19 @@ def test_the_tree_note_says_what_the_run_drafts_with():
     empty.adaptive = True
     assert tree_note(empty, "auto").endswith("then sizes each step's tree by the step times it measures (the "
                                              "tree-budget chart shows why)")
+
+
+def test_a_method_that_ignores_the_tree_says_what_it_drafts_with_instead():
+    size = dict(width=3, n=4, guesses=2, why="stubbed")
+    engine = SimpleNamespace(lookahead_size=lambda: size)
+    assert draft_note(engine, "lookahead", "small") == (
+        "Lookahead window of 3 guesses, n-grams of 4, up to 2 verified a step (stubbed); the tree picked applies to "
+        "Token Recycling only")
+    assert draft_note(engine, "rest", "small").startswith("drafts a trie of the datastore's continuations")
+    tree = SimpleNamespace(size=13, name="small")
+    fitted = SimpleNamespace(table=[], tree=tree)
+    assert draft_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=False), "tr", "small") == \
+        "tree small: 12 draft nodes"
 
 
 def fake_engine(vocab: int, k: int, name: str = "org/My-Model"):

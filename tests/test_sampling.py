@@ -16,9 +16,10 @@ from tr_core.beyond.suffix import SuffixDrafter
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
 from tr_core.events import StepEvent
+from tr_core.rivals.lookahead import LookaheadDrafter
 from tr_core.sampling import Sampler, Sampling, gumbel
 
-METHODS = ("plain", "pld", "suffix", "tr", "tr-adaptive", "tr-context", "tr-dynamic", "tr-plus")
+METHODS = ("plain", "pld", "suffix", "lookahead", "tr", "tr-adaptive", "tr-context", "tr-dynamic", "tr-plus")
 TIMING = ("forward_ms", "overhead_ms", "elapsed_s")
 
 
@@ -31,6 +32,7 @@ def drafter_for(method: str, matrix: AdjacencyMatrix):
                         explore_every=3)
     nested = nested_trees(order, sizes)
     return {"plain": PlainDrafter, "pld": PromptLookupDrafter, "suffix": SuffixDrafter,
+            "lookahead": lambda: LookaheadDrafter(4, 4, 4),
             "tr": lambda: RecyclingDrafter(matrix, load_template("paper"), True),
             "tr-adaptive": lambda: AdaptiveRecyclingDrafter(matrix, nested, budget, True),
             "tr-context": lambda: ContextRecyclingDrafter(matrix, nested, budget, True),

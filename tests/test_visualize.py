@@ -256,6 +256,20 @@ def test_the_legend_lists_only_the_sources_a_step_has():
     assert len(fig.layout.shapes) == 3  # no green edges without context nodes
 
 
+def test_lookaheads_window_guesses_and_n_grams_have_their_own_shapes_hovers_and_legend():
+    event = sourced_event(method="lookahead", tree_name="lookahead", tree_ranks=[0] + [-1] * 4,
+                          tree_sources=["root", "n-gram", "window", "n-gram", "window"])
+    fig = tree_figure(event)
+    styles = node_styles(fig)
+    assert {i: s[0] for i, s in styles.items() if i != "bonus after 1"} == {
+        "0": "square", "1": "pentagon", "2": "hexagon-open", "3": "pentagon-open-dot", "4": "hexagon-open-dot"}
+    assert "a guess of the Jacobi window" in styles["2"][2] and "from the n-gram pool" in styles["1"][2]
+    assert not any("rank" in h for _, _, h in styles.values())
+    legend = [t.name for t in fig.data if t.showlegend is not False]
+    assert legend[len(NODE_ROLES):] == [NODE_SOURCES["window"][0], NODE_SOURCES["n-gram"][0]]
+    assert "Decoding step 3 (lookahead): 1 of 4 draft tokens" in fig.layout.title.text
+
+
 @pytest.mark.parametrize("event", [PAPER[0], SMALL[0], hand_event(),
                                    hand_event(tree_sources=["root"] + ["matrix"] * 4)],
                          ids=["paper", "small", "hand", "hand-matrix-sources"])

@@ -261,6 +261,10 @@ class Engine:
             from .rivals.rest import RestDrafter
             curve = context_curve(self.model, self.config.fit_context)
             return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n))
+        if method == "lookahead":
+            from .rivals.lookahead import LookaheadDrafter
+            size = self.lookahead_size()
+            return LookaheadDrafter(size["width"], size["n"], size["guesses"])
         if method == "tr":
             budget = self.budget_for(method)
             if budget is None:
@@ -268,6 +272,16 @@ class Engine:
             return AdaptiveRecyclingDrafter(self.matrix, self.nested, budget, seed)
         nested, budget = self._sizing(method)
         return self._beyond_paper(method, nested, budget, seed)
+
+    def lookahead_size(self) -> dict:
+        """Lookahead decoding's window size, n-gram size and guesses (``width``, ``n``, ``guesses``) for this model
+        on this machine, and ``why``: of the sizes measured for the model (shipped with its acceptance statistics),
+        the one with the most tokens per ms on t(N) measured here (``rivals.lookahead.choose_size``)."""
+        from .assets import acceptance_stats
+        from .rivals.lookahead import choose_size
+        measured = (acceptance_stats(self.model) or {}).get("lookahead", [])
+        curve = context_curve(self.model, self.config.fit_context) if measured else None
+        return choose_size(measured, (lambda n: interpolate(curve, n)) if curve else None)
 
     def _sizing(self, method: str) -> tuple[NestedTrees, TreeBudget]:
         """The trees and the budget a method beyond the paper sizes its drafts with: the "auto" tree's, or, on

@@ -34,6 +34,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "Retrieval: a tree of what most often followed the longest match of the context's end in a datastore of "
            "text fixed beforehand (here the Python standard library's sources; after He et al., arXiv 2311.08252).",
            False),
+    Method("lookahead", "Lookahead decoding",
+           "Jacobi iteration: a window of guesses refined every step, whose trajectories fill a pool of n-grams, "
+           "the ones that start with the last token verified in the same pass (after Fu et al., arXiv 2402.02057).",
+           False),
     Method("tr", "Token Recycling",
            "The paper's method: a draft tree retrieved from the adjacency matrix by a fixed template.", True),
     Method("tr-context", "Token Recycling + context",

@@ -76,6 +76,19 @@ def tree_note(engine: Engine, requested: str, fitted=None) -> str:
     return f"tree auto: starts at {nodes} {fit}{adapts}" if engine.adaptive else f"tree auto: {nodes} {fit}"
 
 
+def draft_note(engine: Engine, method: str, tree: str) -> str:
+    """What a run drafts with: the tree (``tree_note``) for a matrix method, else the method's own draft."""
+    if METHODS[method].uses_matrix:
+        return tree_note(engine, tree, fitted_tree(engine))
+    if method == "lookahead":
+        size = engine.lookahead_size()
+        return (f"Lookahead window of {size['width']} guesses, n-grams of {size['n']}, up to {size['guesses']} "
+                f"verified a step ({size['why']}); the tree picked applies to Token Recycling only")
+    own = {"plain": "no draft", "pld": "a chain copied from the context", "suffix": "a trie of the context's "
+           "continuations", "rest": "a trie of the datastore's continuations, sized by this machine's t(N)"}
+    return f"drafts {own.get(method, 'its own way')}; the tree picked applies to Token Recycling only"
+
+
 def fitted_tree(engine: Engine):
     """The tree fitted to the model on this machine (shipped acceptance statistics, t(N) measured here), whatever
     tree the run drafts with; ``None`` for a model without statistics."""
@@ -169,7 +182,7 @@ class _ModelRun(Stoppable):
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
         self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
-                            f"{tree_note(engine, tree, fitted_tree(engine))}")
+                            f"{draft_note(engine, s.method, tree)}")
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
         """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
@@ -220,7 +233,7 @@ class LiveRun(_ModelRun):
         """Decode, one snapshot per step (a finished run's last step comes as the final snapshot). The record in
         ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
         s = self.settings
-        teaches = s.hot_start and METHODS[s.method].uses_matrix  # plain, pld and suffix leave the matrix as it was
+        teaches = s.hot_start and METHODS[s.method].uses_matrix  # the others leave the matrix as it was
         self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden,
                                               s.prompt.text)
         events, rates, seconds = self.record.events, Rates(), 0.0
@@ -244,7 +257,9 @@ class LiveRun(_ModelRun):
             self.session.keep_matrix(self.matrix)  # what the run taught, as the rows it changed
         if events:
             what = ("live" if s.method == "tr" else f"live: {s.method}") + (" (stopped)" if self.stopped else "")
-            self.session.record(what, tree_for(s.method, s.tree), s.top_k, self.start, rates)
+            tr = METHODS[s.method].uses_matrix  # the others draft without the tree and the matrix: "-", as races
+            self.session.record(what, tree_for(s.method, s.tree) if tr else "-", s.top_k if tr else "-",
+                                self.start if tr else "-", rates)
         if events and not self.stopped:
             yield Snapshot(events, rates, self.note, measuring_baseline=True)
             self.record.baseline = self.baseline(events)

@@ -23,6 +23,7 @@ REDDISH_PURPLE = "#CC79A7"
 GREY = "#BBBBBB"
 LIGHT_GREY = "#E4E4E4"
 DARK_GREY = "#6E6E6E"  # not Okabe & Ito's: a ninth line colour
+BROWN = "#8C5A2B"  # nor this: a tenth
 
 # Draft-tree node roles: (legend name, fill colour, marker symbol, marker size).
 NODE_ROLES: dict[str, tuple[str, str, str, int]] = {
@@ -42,6 +43,10 @@ NODE_SOURCES: dict[str, tuple[str, dict[str, str]]] = {
                 {"accepted": "diamond", "broke": "diamond-x-open", "rejected": "diamond-open"}),
     "datastore": ("retrieved from the datastore (REST)",
                   {"accepted": "triangle-up", "broke": "triangle-up-open-dot", "rejected": "triangle-up-open"}),
+    "window": ("a guess of the Jacobi window (Lookahead)",
+               {"accepted": "hexagon", "broke": "hexagon-open-dot", "rejected": "hexagon-open"}),
+    "n-gram": ("an n-gram from the pool (Lookahead)",
+               {"accepted": "pentagon", "broke": "pentagon-open-dot", "rejected": "pentagon-open"}),
 }
 SOURCE_KEY = "#444444"  # a source's legend key: its shape, in a colour no role uses
 CONTEXT_EDGE = BLUISH_GREEN  # the edges into nodes copied from the context
@@ -62,6 +67,7 @@ METHOD_STYLE: dict[str, tuple[str, str]] = {
     "tr": (BLUE, "solid"),
     "suffix": (ORANGE, "dashdot"),
     "rest": (DARK_GREY, "longdash"),
+    "lookahead": (BROWN, "dashdot"),
     "tr-context": (BLUISH_GREEN, "longdash"),
     "tr-dynamic": (SKY_BLUE, "longdashdot"),
     "tr-plus": (REDDISH_PURPLE, "solid"),

@@ -137,9 +137,17 @@ def step_shapes(event: StepEvent, context: bool | None = None) -> list[dict]:
 def draft_rank(event: StepEvent, i: int) -> int | None:
     """Node ``i``'s rank among its parent's k candidates in the matrix (0 = likeliest), or None where the node
     did not come from a matrix row: the root, a node copied from the context, a prompt-lookup chain."""
-    if i == 0 or event.method == "pld" or node_sources(event)[i] in ("context", "datastore"):
+    if i == 0 or event.method == "pld" or node_sources(event)[i] in ("context", "datastore", "window", "n-gram"):
         return None
     return event.tree_ranks[i]
+
+
+LOOKAHEAD_HOVER = {
+    "window": "a guess of the Jacobi window: the model's output one step ago at the position before this one, "
+              "refined every step",
+    "n-gram": "from the n-gram pool: a trajectory of the window (or a stretch of the context) that started with the "
+              "token above",
+}
 
 
 def _node_hover(event: StepEvent, i: int, depth: int, source: str, text: TokenNamer) -> str:
@@ -154,6 +162,8 @@ def _node_hover(event: StepEvent, i: int, depth: int, source: str, text: TokenNa
         if source == "datastore":
             lines.append("retrieved from the datastore: one of the continuations that most often followed the "
                          f"longest match of the text ending here (parent {parent}, node {p})")
+        elif source in LOOKAHEAD_HOVER:
+            lines.append(f"{LOOKAHEAD_HOVER[source]} (parent {parent}, node {p})")
         elif rank is None:  # not from the matrix: tree_ranks holds -1 (or a chain's 0)
             lines.append("copied from the context: what followed the latest earlier occurrence of the text ending "
                          f"here (parent {parent}, node {p})")
@@ -283,7 +293,8 @@ def step_title(event: StepEvent, text: TokenNamer, compact: bool = False) -> str
     sources = node_sources(event)
     copied = sum(1 for i in event.accepted_path[1:] if sources[i] == "context")
     added = len(event.new_tokens)
-    head = f"Decoding step {event.step} ({event.method}, tree {escape(event.tree_name)}): "
+    tree = "" if event.tree_name == event.method else f", tree {escape(event.tree_name)}"  # rest's tree is "rest"
+    head = f"Decoding step {event.step} ({event.method}{tree}): "
     if drafted == 0:
         head += "no draft tokens, the model's own next token only"
     else:

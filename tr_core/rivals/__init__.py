@@ -1,2 +1,2 @@
 """The training-free methods the Token Recycling paper compares itself with, on this project's engine: REST
-(``rest``)."""
+(``rest``) and Lookahead decoding (``lookahead``)."""

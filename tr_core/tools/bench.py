@@ -71,7 +71,8 @@ from .results import (
     through_run_sizes,
 )
 
-ALL_METHODS = ("plain", "pld", "suffix", "rest", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic", "tr-plus")
+ALL_METHODS = ("plain", "pld", "suffix", "rest", "lookahead", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic",
+               "tr-plus")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
 DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
 
@@ -129,7 +130,7 @@ def _runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodR
         elif name == "tr-cold":
             runners.append(MethodRunner(name, base.with_config(method="tr", tree="auto", seed_from_prompt=True),
                                         "tr", reset_each_question=True))
-        elif name in ("suffix", "rest"):
+        elif name in ("suffix", "rest", "lookahead"):
             runners.append(MethodRunner(name, base.with_config(method=name, tree="tiny"), name))
         elif name in ("tr-context", "tr-dynamic", "tr-plus"):
             runners.append(MethodRunner(name, base.with_config(method=name, tree="auto", matrix_path=matrix,

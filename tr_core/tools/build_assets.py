@@ -12,11 +12,15 @@ question):
   them warming it, and its mean accepted tokens per step on the rest is set against the statistics' promise
   (``fitting.size_factors``). A small tree refreshes few rows a step, so its matrix is staler than the paper
   tree's; the fitted tree's prediction uses these factors. ``--sizes-only`` measures them again for the existing
-  statistics, without rebuilding the rest.
+  statistics, without rebuilding the rest;
+- in the same file, ``lookahead``: Lookahead decoding's mean tokens and draft nodes per step at each size of
+  ``rivals.lookahead.LADDER`` (W, N, G), on the first ``--lookahead-prompts`` of the second half of the prompts.
+  Which size runs is chosen on each machine from these and its t(N). ``--lookahead-only`` measures them alone.
 
     python -m tr_core.tools.build_assets [--model ID] [--max-new-tokens 96] [--top-k 8] [--sizes 2,4,8,16]
                                    [--sizes-max-new-tokens 64] [--sizes-only] [--hot-start-dir assets/hot_start]
-                                   [--acceptance-dir assets/acceptance]
+                                   [--acceptance-dir assets/acceptance] [--lookahead-only]
+                                   [--lookahead-prompts 12]
 
 The files are named by ``tr_core.assets`` (``hot_start_path``, ``acceptance_path``).
 """
@@ -37,6 +41,7 @@ from ..drafters import RecyclingDrafter
 from ..engine import Engine, EngineConfig
 from ..fitting import node_acceptance, size_factors
 from ..matrix import AdjacencyMatrix
+from ..rivals.lookahead import LADDER, LookaheadDrafter
 from ..text import TokenText
 from ..tree import build_tree
 
@@ -86,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="2,4,8,16", help="tree sizes (nodes, root included) to measure size_factors at")
     p.add_argument("--sizes-only", action="store_true", help="measure size_factors again for the existing statistics")
     p.add_argument("--sizes-max-new-tokens", type=int, default=64, help="new tokens per prompt when measuring sizes")
+    p.add_argument("--lookahead-only", action="store_true",
+                   help="measure Lookahead decoding's sizes again for the existing statistics")
+    p.add_argument("--lookahead-prompts", type=int, default=12, help="prompts to measure Lookahead's sizes on")
     args = p.parse_args(argv)
     try:
         sizes = sorted({int(n) for n in args.sizes.split(",") if n.strip()})
@@ -101,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need at least 2 prompts: the first half warms the matrix, the second half is counted")
     half = len(prompts) // 2
     stats_path = acceptance_path(model_slug(engine.model), Path(args.acceptance_dir))
-    if args.sizes_only:
+    if args.sizes_only or args.lookahead_only:
         if not stats_path.is_file():
-            p.error(f"--sizes-only needs existing statistics at {stats_path}; build them first (without it)")
+            p.error(f"--sizes-only and --lookahead-only need existing statistics at {stats_path}; build them first")
         stats = json.loads(stats_path.read_text())
-        write_size_factors(engine, prompts[half:], stats, sizes, args.sizes_max_new_tokens, stats_path)
+        if args.sizes_only:
+            write_size_factors(engine, prompts[half:], stats, sizes, args.sizes_max_new_tokens, stats_path)
+        if args.lookahead_only:
+            write_lookahead(engine, prompts[half:half + args.lookahead_prompts], stats, args.sizes_max_new_tokens,
+                            stats_path)
         return 0
     counted, tokens, steps = [], 0, 0
     started = time.perf_counter()
@@ -141,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"acceptance of the paper tree over {steps} steps: mean accepted tokens {tokens / steps:.2f} -> "
           f"{stats_path} ({time.perf_counter() - started:.0f} s)")
     write_size_factors(engine, prompts[half:], stats, sizes, args.sizes_max_new_tokens, stats_path)
+    write_lookahead(engine, prompts[half:half + args.lookahead_prompts], stats, args.sizes_max_new_tokens, stats_path)
     return 0
 
 
@@ -154,6 +167,33 @@ def write_size_factors(engine: Engine, prompts: list[str], stats: dict, sizes: l
     path.write_text(json.dumps(stats, indent=1))
     print("mean accepted tokens of the N likeliest nodes, measured (size factor): " + ", ".join(
         f"{n}: {m:.2f} (factor {stats['size_factors'].get(str(n), 'n/a')})" for n, m in measured.items()))
+
+
+def measure_lookahead(engine: Engine, prompts: list[str], max_new_tokens: int) -> list[dict]:
+    """Lookahead decoding's mean tokens and draft-tree nodes (root included) per step at each size of ``LADDER``,
+    decoding ``prompts``; tokens and nodes do not depend on the machine, so a machine's t(N) chooses among them."""
+    ids = [engine.encode(p) for p in prompts]
+    measured = []
+    for width, n, guesses in LADDER:
+        tokens = steps = nodes = 0
+        for prompt in tqdm(ids, desc=f"lookahead W={width} N={n} G={guesses}", unit="prompt"):
+            result = run(engine.model, prompt, LookaheadDrafter(width, n, guesses), max_new_tokens, engine.eos_ids,
+                         head=engine.head)
+            tokens, steps = tokens + len(result.token_ids), steps + result.steps
+            nodes += sum(len(e.tree_tokens) for e in result.events)
+        measured.append(dict(width=width, n=n, guesses=guesses, tokens_per_step=round(tokens / steps, 4),
+                             nodes_per_step=round(nodes / steps, 2)))
+    return measured
+
+
+def write_lookahead(engine: Engine, prompts: list[str], stats: dict, max_new_tokens: int, path: Path) -> None:
+    """Measure Lookahead's sizes on ``prompts`` and write them into the statistics file."""
+    stats["lookahead"] = measure_lookahead(engine, prompts, max_new_tokens)
+    stats["lookahead_prompts"], stats["lookahead_max_new_tokens"] = len(prompts), max_new_tokens
+    path.write_text(json.dumps(stats, indent=1))
+    print("lookahead, tokens (nodes) per step: " + ", ".join(
+        f"W{m['width']} N{m['n']} G{m['guesses']}: {m['tokens_per_step']:.2f} ({m['nodes_per_step']:.1f})"
+        for m in stats["lookahead"]))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,30 @@ def histogram(records: list[Record]) -> str:
     return "  ".join(f"{n}:{100 * counts[n] / total:.0f}%" for n in sorted(counts))
 
 
+# The paper's comparison of the training-free methods (Token Recycling, arXiv 2408.08696, on Spec-Bench's
+# leaderboard: Vicuna-7B on one A100, greedy): overall speedup over plain decoding and mean tokens per forward pass.
+PAPER_A100 = {"tr": (2.22, 2.73), "pld": (1.66, 1.75), "rest": (1.48, 1.82), "lookahead": (1.34, 1.64)}
+
+
+def paper_table(results: dict) -> str:
+    """The training-free methods the paper compares, measured here beside the paper's A100 figures, in the paper's
+    order; "" when the run has none of them.
+
+    >>> m = dict(speedup_median=1.1, speedup_ci95=[1.0, 1.2], mean_accepted_tokens=1.3)
+    >>> print(paper_table({"methods": {"plain": m, "lookahead": m}}))
+    | method | here: speedup [95%] | here: tokens per pass | paper, A100: speedup | paper, A100: tokens per pass |
+    |---|---|---|---|---|
+    | lookahead | 1.10x [1.00, 1.20] | 1.30 | 1.34x | 1.64 |
+    """
+    rows = [f"| {name} | {interval_text(results['methods'][name])} | "
+            f"{results['methods'][name]['mean_accepted_tokens']:.2f} | {speedup:.2f}x | {mat:.2f} |"
+            for name, (speedup, mat) in PAPER_A100.items() if name in results["methods"]]
+    if not rows:
+        return ""
+    return "\n".join(["| method | here: speedup [95%] | here: tokens per pass | paper, A100: speedup | "
+                      "paper, A100: tokens per pass |", "|---|---|---|---|---|"] + rows)
+
+
 def temperature_table(by_temperature: dict) -> str:
     """The report's table: one row per temperature and method."""
     rows = ["| temperature | method | speedup: median [95% interval] | mean accepted tokens | identical to plain |",
@@ -111,6 +135,11 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
               f"{MIN_QUESTIONS_FOR_VERDICT} questions. \"speedup of means\": mean tokens/s over plain's mean. "
               "Token Recycling starts every round of a question from the same matrix (carried from the question "
               "before).", "", "## overall", markdown_table(results)]
+    if paper_table(results):
+        lines += ["", "## the paper's training-free comparison: here, and the paper's A100 figures",
+                  "The paper's figures: Token Recycling (arXiv 2408.08696) citing Spec-Bench's leaderboard, Vicuna-7B "
+                  "on one A100, greedy. Here: this run's model, machine and mode; per category in the tables below.",
+                  "", paper_table(results)]
     for c in dict.fromkeys(c for m in results["methods"].values() for c in m["by_category"]):
         lines += ["", f"## {c}", markdown_table(results, c)]
     if results["pairwise"]:
