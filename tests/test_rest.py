@@ -148,3 +148,24 @@ def test_the_engine_drafts_rest_sized_by_this_machines_step_times(tiny_folder):
     assert rest.token_ids == plain.token_ids
     assert all(len(e.tree_tokens) <= 9 and set(e.tree_sources) <= {"root", "datastore"} for e in rest.events)
     assert sum(len(e.accepted_path) - 1 for e in rest.events) > 0
+
+
+def test_rests_estimates_are_scaled_by_how_often_they_came_true_and_the_engine_keeps_the_scale(tiny_folder):
+    from tr_core.beyond.dynamic import PathCalibration
+    from tr_core.drafters import Outcome
+    from tr_core.engine import Engine
+
+    store = Datastore(np.array([1, 2, 3, 4, 1, SEP, 1, 2, 3, 5, SEP, 2, 3, 4, 2], dtype=np.int32))
+    calibration = PathCalibration()
+    drafter = RestDrafter(store, step_ms=lambda n: 10.0 + n, calibration=calibration)
+    draft = drafter.propose(torch.tensor([9, 2, 3]))  # after 2 3: 4 twice, 5 once; 4 pays for itself at factor 1
+    assert draft.tokens.tolist()[:2] == [3, 4]
+    drafter.learn(Outcome(draft.tokens, torch.tensor([0]), None, None))  # nothing accepted
+    assert calibration.factor < 1
+    for _ in range(60):
+        calibration.observe(predicted=2.0, accepted=0)
+    assert drafter.propose(torch.tensor([9, 2, 3])).tokens.tolist() == [3]  # no longer worth a node
+    _, model, tokenizer = tiny_folder
+    engine = Engine(model, tokenizer)
+    engine.use_datastore(store)
+    assert engine.drafter("rest").calibration is engine.drafter("rest").calibration

@@ -260,7 +260,9 @@ class Engine:
         if method == "rest":  # as many of the likeliest nodes as pay for themselves on this machine's t(N)
             from .rivals.rest import RestDrafter
             curve = context_curve(self.model, self.config.fit_context)
-            return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n))
+            from .beyond.dynamic import PathCalibration
+            calibration = self.learners.calibrations.setdefault(method, PathCalibration())  # kept across requests
+            return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n), calibration=calibration)
         if method == "lookahead":
             from .rivals.lookahead import LookaheadDrafter
             size = self.lookahead_size()

@@ -7,6 +7,8 @@ Every method verifies its drafts the same way (``decoding.decode``): greedy outp
 ['tr-context', 'tr-dynamic', 'tr-plus']
 >>> METHODS["suffix"].label
 'Suffix decoding'
+>>> [m.name for m in METHODS.values() if m.paper_a100]   # the paper's training-free comparison
+['pld', 'rest', 'lookahead', 'tr']
 """
 
 from __future__ import annotations
@@ -21,25 +23,30 @@ class Method:
     about: str  # one sentence: what it drafts from, or what it adds to Token Recycling
     uses_matrix: bool  # drafts from (and teaches) the adjacency matrix
     beyond_paper: bool = False  # an extension of Token Recycling, not the paper's method
+    # the paper's A100 figures (Token Recycling, arXiv 2408.08696, citing Spec-Bench's leaderboard: Vicuna-7B on one
+    # A100, greedy): overall speedup over plain decoding and mean tokens per forward pass; None: not in its comparison
+    paper_a100: tuple[float, float] | None = None
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("plain", "plain decoding", "No draft: one token per forward pass (greedy, or sampled as set).", False),
     Method("pld", "Prompt Lookup Decoding",
-           "Copies the tokens that followed the latest earlier occurrence of the last few tokens, as a chain.", False),
+           "Copies the tokens that followed the latest earlier occurrence of the last few tokens, as a chain.", False,
+           paper_a100=(1.66, 1.75)),
     Method("suffix", "Suffix decoding",
            "A small tree of the continuations that most often followed the longest earlier match of the context's "
            "end (after SuffixDecoding, arXiv 2411.04975).", False),
     Method("rest", "REST",
            "Retrieval: a tree of what most often followed the longest match of the context's end in a datastore of "
            "text fixed beforehand (here the Python standard library's sources; after He et al., arXiv 2311.08252).",
-           False),
+           False, paper_a100=(1.48, 1.82)),
     Method("lookahead", "Lookahead decoding",
            "Jacobi iteration: a window of guesses refined every step, whose trajectories fill a pool of n-grams, "
            "the ones that start with the last token verified in the same pass (after Fu et al., arXiv 2402.02057).",
-           False),
+           False, paper_a100=(1.34, 1.64)),
     Method("tr", "Token Recycling",
-           "The paper's method: a draft tree retrieved from the adjacency matrix by a fixed template.", True),
+           "The paper's method: a draft tree retrieved from the adjacency matrix by a fixed template.", True,
+           paper_a100=(2.22, 2.73)),
     Method("tr-context", "Token Recycling + context",
            "Adds a branch copied from the longest earlier match in the context to the matrix's tree, sized by how "
            "often such branches were accepted.", True, beyond_paper=True),

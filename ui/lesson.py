@@ -250,7 +250,7 @@ def beyond_facts(benchmark: dict) -> dict:
     runs = benchmark.get("runs", [])
     if not runs:
         return dict(beyond_setting="No benchmark summary is shipped with this build", beyond_table="",
-                    beyond_verdict="")
+                    beyond_verdict="", rivals_order="")
     first = runs[0]
     setting = (f"Measured on {first.get('cpu', 'this project’s machine')} ({first.get('threads', '?')} threads), "
                f"Spec-Bench, {first.get('questions', '?')} questions, {first.get('max_new_tokens', '?')} new tokens "
@@ -278,7 +278,33 @@ def beyond_facts(benchmark: dict) -> dict:
                             for a, p in pairs.items() if a in METHODS)
         verdicts.append(f"In {run.get('mode', '?')} mode the best of them was **{METHODS[best].label}** "
                         f"(`{best}`), {_interval(run['methods'][best])} over plain decoding ({against}).")
-    return dict(beyond_setting=setting, beyond_table="\n".join(rows), beyond_verdict=" ".join(verdicts))
+    return dict(beyond_setting=setting, beyond_table="\n".join(rows), beyond_verdict=" ".join(verdicts),
+                rivals_order=rivals_order(runs))
+
+
+def rivals_order(runs: list[dict]) -> str:
+    """The paper's training-free methods in each run, fastest first, beside the paper's A100 order; "" where a run
+    has fewer than two of them.
+
+    >>> runs = [{"mode": "exact", "methods": {"tr": {"speedup_median": 1.1}, "lookahead": {"speedup_median": 1.2}}}]
+    >>> print(rivals_order(runs))
+    Here, exact mode: Lookahead decoding 1.20×, Token Recycling 1.10×. The paper, on an A100: Token Recycling 2.22×, \
+Lookahead decoding 1.34×.
+    """
+    paper = sorted((m for m in METHODS.values() if m.paper_a100), key=lambda m: -m.paper_a100[0])
+    parts = []
+    for run in runs:
+        here = sorted((m for m in paper if m.name in run["methods"]),
+                      key=lambda m: -run["methods"][m.name]["speedup_median"])
+        if len(here) < 2:
+            continue
+        parts.append(f"Here, {run.get('mode', '?')} mode: " + ", ".join(
+            f"{m.label} {run['methods'][m.name]['speedup_median']:.2f}×" for m in here) + ".")
+    if not parts:
+        return ""
+    named = {n for run in runs for n in run["methods"]}
+    return " ".join(parts) + " The paper, on an A100: " + ", ".join(
+        f"{m.label} {m.paper_a100[0]:.2f}×" for m in paper if m.name in named) + "."
 
 
 def _depth(event) -> int:

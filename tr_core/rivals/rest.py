@@ -33,9 +33,10 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from ..beyond.dynamic import PathCalibration
 from ..beyond.ngrams import Continuations, frequency_trie
 from ..beyond.suffix import trie_draft
-from ..drafters import Draft, PlainDrafter
+from ..drafters import Draft, Outcome, PlainDrafter
 from ..models import default_cache_dir, file_name
 
 SEP = -1  # between documents: no match or continuation crosses it
@@ -220,23 +221,27 @@ def python_sources_datastore(tokenizer, cache_dir: Path | None = None) -> Datast
         return store
 
 
-def sized(counts: list[int], occurrences: int, step_ms: Callable[[int], float] | None, max_nodes: int) -> int:
+def sized(counts: list[int], occurrences: int, step_ms: Callable[[int], float] | None, max_nodes: int,
+          factor: float = 1.0) -> int:
     """How many of a trie's best-first nodes (their ``counts``, in that order) to draft: with ``step_ms`` (a step's
     time for N tree tokens, the root included, measured here), the number with the most expected tokens per ms, each
-    node's chance of acceptance taken as its count over the occurrences (the datastore's estimate, 1 for the bonus
-    token); without it, all of them (at most ``max_nodes``).
+    node's chance of acceptance taken as its count over the occurrences (the datastore's estimate) times ``factor``
+    (how far such estimates came true so far, ``PathCalibration``), 1 for the bonus token; without ``step_ms``, all
+    of them (at most ``max_nodes``).
 
     >>> sized([8, 6, 1], 10, lambda n: 10.0 + n, 8)   # 1 + .8 + .6 tokens for 13 ms beats 2.4 + .1 for 14 ms
     2
     >>> sized([8, 6, 1], 10, None, 8), sized([], 10, lambda n: 10.0, 8)
     (3, 0)
+    >>> sized([8, 6, 1], 10, lambda n: 10.0 + n, 8, factor=0.1)   # estimates that came true a tenth as often
+    0
     """
     counts = counts[:max_nodes]
     if step_ms is None or not counts or occurrences <= 0:
         return len(counts)
     best, best_rate, expected = 0, 1.0 / step_ms(1), 1.0
     for n, count in enumerate(counts, start=1):
-        expected += count / occurrences
+        expected += factor * count / occurrences
         rate = expected / step_ms(n + 1)
         if rate > best_rate:
             best, best_rate = n, rate
@@ -247,7 +252,8 @@ class RestDrafter(PlainDrafter):
     """REST's draft: of the continuations that followed the longest datastore match of the context's end (up to
     ``max_occurrences`` of its occurrences, ``depth`` tokens each), the likeliest trie nodes, grown best-first: at
     most ``max_nodes``, and where ``step_ms`` (t(N) measured on this machine) is given, as many as maximise the
-    expected tokens per ms (``sized``); no match: the root alone.
+    expected tokens per ms (``sized``), the datastore's estimates scaled by how often they came true before
+    (``calibration``, kept across requests by the engine); no match: the root alone.
 
     >>> store = Datastore(np.array([1, 2, 3, 4, 1, SEP, 1, 2, 3, 5, SEP, 2, 3, 4, 2], dtype=np.int32))
     >>> draft = RestDrafter(store, max_nodes=3).propose(torch.tensor([9, 2, 3]))  # after 2 3: 4 1, 5, 4 2
@@ -260,15 +266,24 @@ class RestDrafter(PlainDrafter):
     name = "rest"
 
     def __init__(self, store: Datastore, max_nodes: int = 8, depth: int = 6, max_occurrences: int = 64,
-                 step_ms: Callable[[int], float] | None = None):
+                 step_ms: Callable[[int], float] | None = None, calibration: PathCalibration | None = None):
         if max_nodes < 1 or depth < 1 or max_occurrences < 1:
             raise ValueError("a REST drafter needs max_nodes, depth and max_occurrences >= 1")
         self.store, self.max_nodes, self.depth, self.max_occurrences = store, max_nodes, depth, max_occurrences
-        self.step_ms = step_ms
+        self.step_ms, self.calibration = step_ms, calibration or PathCalibration()
+        self._predicted = 0.0  # the drafted nodes' estimated chances, summed (uncalibrated)
 
     def propose(self, context: torch.Tensor) -> Draft:
         tail = context[-SORTED:].tolist()
         trie = self.store.continuations(tail, self.depth, self.max_occurrences)
         nodes = trie.best_first(self.max_nodes)
-        nodes = nodes[:sized([trie.counts[i] for i in nodes], trie.occurrences, self.step_ms, self.max_nodes)]
+        counts = [trie.counts[i] for i in nodes]
+        n = sized(counts, trie.occurrences, self.step_ms, self.max_nodes, self.calibration.factor)
+        nodes = nodes[:n]
+        self._predicted = sum(counts[:n]) / trie.occurrences if n else 0.0
         return trie_draft(context, trie, nodes, "rest", "datastore")
+
+    def learn(self, outcome: Outcome) -> list:
+        if not outcome.is_prompt and outcome.whole:
+            self.calibration.observe(self._predicted, outcome.path.numel() - 1)
+        return []
