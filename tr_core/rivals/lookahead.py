@@ -63,6 +63,8 @@ def choose_size(measured: list[dict], step_ms: Callable[[float], float] | None) 
     3
     >>> choose_size(sizes, lambda n: 10 + 0.001 * n)["width"]   # where nodes are nearly free, the big window
     15
+    >>> choose_size(sizes, lambda n: 10 + 0.5 * n)["why"].split(": ")[1]
+    '1.30 tokens a step over 7.0 nodes on the prompts it was measured on'
     >>> choose_size([], None)["why"]
     'no sizes measured for this model: the smallest useful window'
     """
@@ -71,11 +73,10 @@ def choose_size(measured: list[dict], step_ms: Callable[[float], float] | None) 
         return dict(width=width, n=n, guesses=guesses, why="no sizes measured for this model: the smallest useful "
                                                            "window")
     best = max(measured, key=lambda m: m["tokens_per_step"] / step_ms(m["nodes_per_step"]))
-    rate = best["tokens_per_step"] / step_ms(best["nodes_per_step"])
     return dict(width=best["width"], n=best["n"], guesses=best["guesses"],
-                why=f"the most tokens per ms of {len(measured)} sizes measured for the model: "
-                    f"{best['tokens_per_step']:.2f} tokens a step over {best['nodes_per_step']:.1f} nodes, "
-                    f"predicted {rate * 1e3:.0f} tokens/s from this machine's t(N)")
+                why=f"of {len(measured)} sizes measured for the model, the most tokens per ms on this machine's "
+                    f"step times: {best['tokens_per_step']:.2f} tokens a step over {best['nodes_per_step']:.1f} "
+                    "nodes on the prompts it was measured on")
 
 
 class NgramPool:

@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "node_paths": [list(p) for p in fitted.tree.node_paths],
             "predicted_mean_accepted_tokens": round(fitted.expected_accepted, 4),
             "predicted_speedup": round(fitted.predicted_speedup, 4), "table": fitted.table},
+        "lookahead_size": next((r.engine.lookahead_size() for r in runners if r.name == "lookahead"), None),
         "rounds": args.rounds, "round_order": [r.name for r in runners],
         "rounds_note": "each round runs every method once, in round_order rotated by one place a round (and on "
                        "across questions); every round of a question starts Token Recycling from the matrix held "
