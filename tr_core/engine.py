@@ -258,9 +258,9 @@ class Engine:
             from .beyond.suffix import SuffixDrafter
             return SuffixDrafter()
         if method == "rest":  # as many of the likeliest nodes as pay for themselves on this machine's t(N)
+            from .beyond.dynamic import PathCalibration
             from .rivals.rest import RestDrafter
             curve = context_curve(self.model, self.config.fit_context)
-            from .beyond.dynamic import PathCalibration
             calibration = self.learners.calibrations.setdefault(method, PathCalibration())  # kept across requests
             return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n), calibration=calibration)
         if method == "lookahead":

@@ -84,9 +84,10 @@ def draft_note(engine: Engine, method: str, tree: str) -> str:
         size = engine.lookahead_size()
         return (f"Lookahead window of {size['width']} guesses, n-grams of {size['n']}, up to {size['guesses']} "
                 f"verified a step ({size['why']}); the tree picked applies to Token Recycling only")
-    own = {"plain": "no draft", "pld": "a chain copied from the context", "suffix": "a trie of the context's "
-           "continuations", "rest": "a trie of the datastore's continuations, sized by this machine's t(N)"}
-    return f"drafts {own.get(method, 'its own way')}; the tree picked applies to Token Recycling only"
+    own = {"plain": "no draft: one token a forward pass", "pld": "drafts a chain copied from the context",
+           "suffix": "drafts a trie of the context's continuations",
+           "rest": "drafts a trie of the datastore's continuations, sized by this machine's t(N)"}
+    return f"{own.get(method, 'drafts its own way')}; the tree picked applies to Token Recycling only"
 
 
 def fitted_tree(engine: Engine):
