@@ -44,7 +44,7 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.gradio_fix import drop_copies  # noqa: E402
+from ui.gradio_fix import drop_copies, forget_session  # noqa: E402
 from ui.inputs import (  # noqa: E402
     MAX_NEW_TOKENS,
     SAMPLE_TOP_K,
@@ -179,12 +179,20 @@ class Handlers:
         that earlier runs left in gradio's state go (``ui.gradio_fix``)."""
         if self.page is not None:
             drop_copies(self.page, request.session_hash)
+        if getattr(run, "session", None) is not None:
+            run.session.session_hash = request.session_hash  # to forget gradio's state of it when it expires
         self.running[request.session_hash] = run
         try:
             yield run
         finally:
             if self.running.get(request.session_hash) is run:
                 del self.running[request.session_hash]
+
+    def session_expired(self, session: Session) -> None:
+        """A browser session closed and its ``Session`` expired: gradio's copy of its page goes too, and the freed
+        memory back to the system (``ui.gradio_fix.forget_session``)."""
+        if self.page is not None and session.session_hash:
+            forget_session(self.page, session.session_hash)
 
     @user_errors
     def live(self, session: Session, request: gr.Request = None, **values):
@@ -627,7 +635,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
     choices = tree_choices()
     h = Handlers(models or ModelCache(), [name for _, name in choices], allow_local_models)
     with gr.Blocks(title="Token Recycling", analytics_enabled=False) as demo:
-        session = gr.State(Session())
+        session = gr.State(Session(), delete_callback=h.session_expired)
         with gr.Column(elem_id="intro"):
             gr.Markdown(f"{TITLE}\n{SUMMARY}")
             with gr.Accordion("What Token Recycling does", open=False):

@@ -366,9 +366,10 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
         app_process.wait(timeout=30)
 
 
-def test_a_sessions_state_stays_the_same_size_run_after_run(app_models):  # noqa: F811
+def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_expires(app_models):  # noqa: F811
     """gradio files a session's copies of the outputs a run updated under new ids (``ui.gradio_fix``); without the
-    fix, every Live run added 9 entries to its session's state, for good."""
+    fix, every Live run added 9 entries to its session's state, for good. A closed session's state goes whole when
+    it expires."""
     demo = app.build_app(app_models)
     _, url, _ = app.launch(demo, server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
                            quiet=True)
@@ -382,6 +383,14 @@ def test_a_sessions_state_stays_the_same_size_run_after_run(app_models):  # noqa
         assert sizes[1] == sizes[2] == sizes[3], sizes
         extra = len(state.blocks_config.blocks) - len(demo.default_config.blocks)
         assert 0 <= extra <= 12, f"{extra} component copies kept beyond the page's own"
+        # gradio drops a closed session's gr.State values when they expire (an hour after the close) but keeps its
+        # copy of the page until its LRU cap; the app's delete callback drops that too (gradio_fix.forget_session)
+        (session_hash,) = demo.state_holder.session_data
+        demo.state_holder.delete_all_expired_state()  # still open: nothing expires
+        assert session_hash in demo.state_holder.session_data
+        state.is_closed, state.STATE_TTL_WHEN_CLOSED = True, 0  # as gradio marks a closed tab, its hour over
+        demo.state_holder.delete_all_expired_state()
+        assert session_hash not in demo.state_holder.session_data
     finally:
         demo.close()
 

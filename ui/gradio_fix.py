@@ -11,9 +11,18 @@ with every run of a session, 0.23 MB a run (tracemalloc, 20 sessions, 40 one-tok
 
 ``drop_copies`` removes, from one session's state, the entries filed under ids that are not the page's own; the
 copies under the page's ids (the session's current outputs) stay. It is called as each run starts.
+
+gradio also keeps each session's copy of the page (its ``SessionState``: the page's config, the latest figures)
+after the browser closes, until its least-recently-used cap (``state_session_capacity``) pushes it out; only the
+session's ``gr.State`` values expire (an hour after the close, gradio's rule). ``forget_session``, called when the
+session's ``Session`` expires, drops that copy too, then hands the freed heap back to the system (glibc keeps freed
+memory otherwise), so that the process's memory goes down again after its users leave.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
 
 
 def drop_copies(demo, session_hash: str | None) -> int:
@@ -29,3 +38,26 @@ def drop_copies(demo, session_hash: str | None) -> int:
         blocks.pop(key, None)
         state.config_values.pop(key, None)
     return len(stale)
+
+
+def forget_session(demo, session_hash: str | None) -> bool:
+    """Drop gradio's state of a session whose ``gr.State`` expired (its browser closed), then release the freed
+    memory to the system; returns whether there was state to drop."""
+    holder = getattr(demo, "state_holder", None)
+    data = getattr(holder, "session_data", None)
+    if data is None or not session_hash or session_hash not in data:
+        return False
+    with holder.lock:
+        data.pop(session_hash, None)
+        getattr(holder, "time_last_used", {}).pop(session_hash, None)
+    release_freed_memory()
+    return True
+
+
+def release_freed_memory() -> bool:
+    """Ask glibc to hand the heap's free pages back to the system (``malloc_trim``); False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0)) if name else False
+    except (OSError, AttributeError):
+        return False

@@ -110,6 +110,7 @@ class Session:
     race: RaceRecord | None = None
     history: list[dict] = field(default_factory=list)
     narrow: bool = False  # the page is on a narrow screen (a phone): figures in their compact layout
+    session_hash: str = ""  # gradio's id of the browser session, once a run has started (``app.Handlers``)
     model_id: str = ""  # the model this session last loaded or ran without a fault ("": the embedded one)
 
     def matrix_for(self, engine: Engine, model_id: str, hot_start: bool, prompt: str | None = None
