@@ -747,7 +747,8 @@ def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain
     assert summary["verdict"] == status and list(summary["methods"]) == ["plain", "pld", "tr"]
     rows = summary["projection"]  # Token Recycling's median round on other hardware, this machine as measured
     assert [r["device"] for r in rows] == ["this machine", "laptop CPU", "T4", "A100", "H100"]
-    assert rows[0]["speedup"] == round(summary["methods"]["tr"]["speedup"], 3) and rows[0]["method"] == "tr"
+    # the same measurement, rounded to 3 places in the projection and to 4 in the summary
+    assert abs(rows[0]["speedup"] - summary["methods"]["tr"]["speedup"]) <= 0.00051 and rows[0]["method"] == "tr"
     bars = json.loads(projection_chart["plot"])["data"][0]
     assert bars["y"][0] == "this machine (measured)" and len(bars["x"]) == 5
     verdict = re.match(r"Token Recycling ran at [\d.]+× plain decoding \(median of 3 rounds, range [\d.]+–[\d.]+×\): "
