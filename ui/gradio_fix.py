@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from functools import lru_cache
 
 
 def drop_copies(demo, session_hash: str | None) -> int:
@@ -54,10 +55,17 @@ def forget_session(demo, session_hash: str | None) -> bool:
     return True
 
 
-def release_freed_memory() -> bool:
-    """Ask glibc to hand the heap's free pages back to the system (``malloc_trim``); False where there is no glibc."""
+@lru_cache(maxsize=1)
+def _libc():
+    """The C library, looked up once (``find_library`` runs a subprocess); None where it cannot be loaded."""
     name = ctypes.util.find_library("c")
     try:
-        return bool(ctypes.CDLL(name).malloc_trim(0)) if name else False
-    except (OSError, AttributeError):
-        return False
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Ask glibc to hand the heap's free pages back to the system (``malloc_trim``); False where there is no glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False

@@ -180,7 +180,8 @@ class LookaheadDrafter(PlainDrafter):
     name = "lookahead"
     needs = Needs()
 
-    def __init__(self, width: int = 5, n: int = 4, guesses: int = 5, window: JacobiWindow | None = None):
+    def __init__(self, width: int = FALLBACK[0], n: int = FALLBACK[1], guesses: int = FALLBACK[2],
+                 window: JacobiWindow | None = None):
         if width < 1 or n < 3 or guesses < 0:
             raise ValueError(f"lookahead needs width >= 1, n >= 3 and guesses >= 0, got {width}, {n}, {guesses}")
         self.width, self.n, self.guesses = width, n, guesses
