@@ -212,7 +212,7 @@ class Handlers:
         text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
         with self._stoppable(request, run):
             for snap in run.snapshots():
-                if snap.done or snap.measuring_baseline or text_due():
+                if snap.done or text_due():
                     yield live_frame(snap, run, snap.done or figures_due(), session)
 
     @user_errors

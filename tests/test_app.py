@@ -40,7 +40,7 @@ from ui.render import (  # noqa: E402
     race_verdict,
     split_step,
 )
-from ui.run import Every, LiveRun, Race, draft_note, tree_note  # noqa: E402
+from ui.run import Every, LiveRun, PlainAlongside, Race, draft_note, tree_note  # noqa: E402
 from ui.session import Session, starting_matrix  # noqa: E402
 from ui.settings import Settings, tree_choices, tree_names  # noqa: E402
 
@@ -462,11 +462,15 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
         counts.append(len(snap.events))  # the run's own list grows: count it as it comes
     assert [s.done for s in snaps] == [False] * (len(snaps) - 1) + [True] and not snaps[-1].stopped
     events = snaps[-1].events
-    # one snapshot per step, then one while plain decoding is measured for comparison
-    assert counts == list(range(1, len(events) + 1)) + [len(events)] and snaps[-2].measuring_baseline
+    assert counts == list(range(1, len(events) + 1))  # one snapshot per step, the last one final
+    # plain decoding runs alongside: after every step it has decoded as many tokens as the run, timed on its own
+    for snap, step in zip(snaps[:-1], events):
+        assert snap.baseline.source.startswith("plain decoding of your prompt, measured alongside your run so far")
+        assert f"({step.total_tokens} tokens)" in snap.baseline.source and snap.baseline.identical is None
     baseline = snaps[-1].baseline
     assert baseline.tokens_per_s > 0 and baseline.ms_per_token > 0 and session.live.baseline is baseline
-    assert baseline.source.startswith("one plain decoding of your prompt to the same 12 tokens, right after your run")
+    assert baseline.source.startswith("plain decoding of your prompt, measured alongside your run: after each step")
+    assert "(12 tokens)" in baseline.source
     assert baseline.identical is True  # plain decoding gave the run's very tokens
     summary = session.live.summary
     assert summary["speedup"] == round(speedup(snaps[-1].rates.tokens_per_s, baseline.tokens_per_s), 4)
@@ -483,6 +487,37 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
         [events[0].tree_tokens[0]])
     assert [h["what"] for h in session.history] == ["live"] and session.runs_on_matrix == 1
     assert len(session.matrix_delta.index) > 0, "the run taught the session's own matrix"
+
+
+def test_plain_decoding_alongside_catches_up_step_by_step_and_counts_only_its_own_time(monkeypatch):
+    """After each of the run's steps plain decoding decodes to the run's token count, no further; its clock counts
+    only its own steps (stubbed: each plain step takes 0.1 s, the run's time between them is not counted)."""
+    now = [0.0]
+    monkeypatch.setattr("ui.run.time.perf_counter", lambda: now[0])
+
+    def stream(ids, n, method, sampling):
+        assert method == "plain" and n == 5
+        for i in range(5):
+            now[0] += 0.1
+            yield single_event(i, 20 + i, "x", i + 1, 99.0)
+
+    plain = PlainAlongside(SimpleNamespace(stream=stream), [1, 2], 5, None)
+    assert plain.baseline([]) is None
+    plain.catch_up(3)  # the run's first step gave 3 tokens
+    assert plain.tokens == 3 and len(plain.events) == 3 and plain.seconds == pytest.approx(0.3)
+    now[0] += 7.0  # the run's next step, the page's drawing: not plain decoding's time
+    plain.catch_up(3)
+    assert plain.tokens == 3 and plain.seconds == pytest.approx(0.3)
+    plain.catch_up(5, stopped=lambda: plain.tokens == 4)  # Stop between two of its steps
+    assert plain.tokens == 4
+    plain.catch_up(5)
+    run = [hand_event(new_tokens=[20, 21, 22], total_tokens=3), single_event(1, 23, "x", 4, 1.0),
+           single_event(2, 24, "x", 5, 1.0)]
+    final = plain.baseline(run, final=True)
+    assert final.tokens_per_s == pytest.approx(5 / 0.5) and final.identical is True
+    assert [e.elapsed_s for e in plain.events] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert plain.baseline(run[:1] + [single_event(1, 99, "y", 4, 1.0)] + run[2:], final=True).identical is False
+    assert "so far" in plain.baseline(run).source and plain.baseline(run).identical is None
 
 
 def test_stop_ends_a_live_run_after_the_step_in_progress(tiny_models):

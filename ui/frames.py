@@ -68,8 +68,7 @@ def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) ->
     final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
     last = snap.events[-1] if snap.events else None
     status = (finished_status(last, snap.stopped) if snap.done else
-              "decoded; now measuring plain decoding on your prompt, for comparison…" if snap.measuring_baseline
-              else "running")
+              "running, with plain decoding measured alongside" if snap.baseline else "running")
     values = dict(answer_html=answer_html(snap.events, hidden=run.hidden), session=session,
                   counters_html=counters_html(snap.rates, status, snap.note, snap.baseline))
     if (figures or snap.done) and last:

@@ -23,7 +23,7 @@ class Baseline:
 
     tokens_per_s: float  # over the whole answer, prefill included (tr_core.stats.SPEEDUP_DEFINITION)
     ms_per_token: float  # its decoding steps' mean time
-    source: str  # e.g. "one plain decoding of your prompt to the same 64 tokens, right after your run"
+    source: str  # e.g. "plain decoding of your prompt, measured alongside your run: ..." (ui.run.PlainAlongside)
     identical: bool | None = None  # whether plain decoding gave the run's very tokens
 
 

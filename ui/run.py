@@ -7,8 +7,9 @@
     run.stop()                          # from another request: the run ends after its current step
 
 A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
-``session.history``; a finished run then decodes the same prompt to the same length with plain decoding, so that the
-page gives the speedup as the race and the benchmark define it (``tr_core.stats.speedup``). A ``Race`` measures
+``session.history``; plain decoding of the same prompt runs alongside it, step by step to the same token count and
+timed on its own (``PlainAlongside``), so that the page gives the speedup as the race and the benchmark define it
+(``tr_core.stats.speedup``) from two runs measured under the same load. A ``Race`` measures
 plain decoding and the methods the user picked (by default Prompt Lookup, Token Recycling and the best extension
 beyond the paper) in rounds: each round runs every method once, one after another, in an order rotated per round,
 each matrix method from a fresh copy of one matrix; it leaves ``session.race``. Reading a record (the step slider,
@@ -147,7 +148,6 @@ class Snapshot:
     note: str  # what the run drafts with: the prompt's cut, the mode, the tree, the matrix
     done: bool = False
     stopped: bool = False
-    measuring_baseline: bool = False  # the run is over; plain decoding is being measured for comparison
     baseline: Baseline | None = None
     drafted_nothing: bool = False  # the auto tree stayed empty at every step: the run was plain decoding
 
@@ -220,6 +220,47 @@ class _ModelRun(Stoppable):
         return engine
 
 
+class PlainAlongside:
+    """Plain decoding of a live run's prompt, measured alongside the run: after each of the run's steps it decodes
+    until it has as many tokens, timed on its own. So the two are measured over the same answer length and under the
+    same load, interleaved step by step (a shared CPU's speed drifts by up to 2x within minutes, the reason the race
+    interleaves its rounds); each one's time counts its prefill and every decoding step, not the other's time nor
+    the page's drawing (``tr_core.stats.SPEEDUP_DEFINITION``)."""
+
+    def __init__(self, engine: Engine, ids: list[int], max_new_tokens: int, sampling):
+        self.steps = engine.stream(ids, max_new_tokens, method="plain", sampling=sampling)
+        self.events: list[StepEvent] = []
+        self.seconds = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.events[-1].total_tokens if self.events else 0
+
+    def catch_up(self, tokens: int, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Decode until plain decoding has ``tokens`` tokens (or has finished, or ``stopped()``)."""
+        while self.tokens < tokens and not (self.events and self.events[-1].finished) and not stopped():
+            started = time.perf_counter()
+            event = next(self.steps, None)
+            self.seconds += time.perf_counter() - started
+            if event is None:
+                break
+            event.elapsed_s = self.seconds
+            self.events.append(event)
+
+    def baseline(self, events: list[StepEvent], final: bool = False) -> Baseline | None:
+        """Plain decoding's speed so far (``final``: over the whole answer), beside the run's ``events``."""
+        if not self.events:
+            return None
+        ids = [t for e in events for t in e.new_tokens]
+        mine = [t for e in self.events for t in e.new_tokens]
+        rates = Rates(self.tokens, len(self.events), self.seconds)
+        so_far = "" if final else " so far"
+        source = (f"plain decoding of your prompt, measured alongside your run{so_far}: after each step of your run it "
+                  f"decoded to the same token count ({self.tokens} tokens), each timed on its own, the two interleaved "
+                  "step by step (as the race interleaves its rounds)")
+        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, mine == ids if final else None)
+
+
 class LiveRun(_ModelRun):
     """One live run of Token Recycling on the session's own matrix, step by step."""
 
@@ -231,14 +272,16 @@ class LiveRun(_ModelRun):
         return "; ".join(filter(None, [self.about_prompt, self.about_setup, f"adjacency matrix: {self.about_matrix}"]))
 
     def snapshots(self) -> Iterator[Snapshot]:
-        """Decode, one snapshot per step (a finished run's last step comes as the final snapshot). The record in
-        ``session.live`` grows with the run; the history gets its line at the end, finished or stopped."""
+        """Decode, one snapshot per step (a finished run's last step comes as the final snapshot), with plain decoding
+        alongside (``PlainAlongside``) unless the method is plain decoding. The record in ``session.live`` grows with
+        the run; the history gets its line at the end, finished or stopped."""
         s = self.settings
         teaches = s.hot_start and METHODS[s.method].uses_matrix  # the others leave the matrix as it was
         self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden,
                                               s.prompt.text)
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method, sampling=s.sampling)
+        plain = None if s.method == "plain" else PlainAlongside(self.engine, self.ids, s.max_new_tokens, s.sampling)
         while not self.stopped:
             started = time.perf_counter()
             try:
@@ -248,12 +291,15 @@ class LiveRun(_ModelRun):
             seconds += time.perf_counter() - started
             if event is None:
                 break
+            event.elapsed_s = seconds  # the time spent decoding: not drawing, not plain decoding alongside
             events.append(event)
             self._name_tokens(event)
             rates = Rates(event.total_tokens, event.total_steps, seconds)
+            if plain is not None:
+                plain.catch_up(event.total_tokens, lambda: self.stopped)
             if event.finished:
                 break
-            yield Snapshot(events, rates, self.note)
+            yield Snapshot(events, rates, self.note, baseline=plain.baseline(events) if plain else None)
         if teaches:
             self.session.keep_matrix(self.matrix)  # what the run taught, as the rows it changed
         if events:
@@ -262,8 +308,9 @@ class LiveRun(_ModelRun):
             self.session.record(what, tree_for(s.method, s.tree) if tr else "-", s.top_k if tr else "-",
                                 self.start if tr else "-", rates)
         if events and not self.stopped:
-            yield Snapshot(events, rates, self.note, measuring_baseline=True)
-            self.record.baseline = self.baseline(events)
+            self.record.baseline = (plain.baseline(events, final=True) if plain else
+                                    Baseline(rates.tokens_per_s, ms_per_step(events), "this run itself is plain "
+                                             "decoding", True))
         self.record.drafted_nothing = self.drafted_nothing
         self.record.summary = run_summary(s.method, tree_for(s.method, s.tree), events, rates, self.record.baseline,
                                           self.matrix_history, self.machine_profile() if events else None)
@@ -277,23 +324,6 @@ class LiveRun(_ModelRun):
         s, events = self.settings, self.record.events if self.record else []
         return (bool(events) and METHODS[s.method].uses_matrix and tree_for(s.method, s.tree) == AUTO
                 and all(len(e.tree_tokens) == 1 for e in events))
-
-    def baseline(self, events: list[StepEvent]) -> Baseline | None:
-        """Plain decoding's speed on this machine, measured as the race measures it (``tr_core.stats.speedup``): the
-        run itself if it was plain decoding, else plain decoding of the same prompt to the same answer length,
-        measured now, once (unless Stop came first)."""
-        if self.settings.method == "plain":
-            return Baseline(events[-1].rates.tokens_per_s, ms_per_step(events), "this run itself is plain decoding",
-                            True)
-        n, plain = sum(len(e.new_tokens) for e in events), []
-        for event in self.engine.stream(self.ids, n, method="plain", sampling=self.settings.sampling):
-            plain.append(event)
-            if self.stopped:
-                return None
-        same = [t for e in plain for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
-        return Baseline(plain[-1].rates.tokens_per_s, ms_per_step(plain),
-                        f"one plain decoding of your prompt to the same {n} tokens, right after your run (once: the "
-                        f"race measures in rounds)", same)
 
     def _name_tokens(self, event: StepEvent) -> None:
         """Add the text of the tokens this step names that the record has not named yet (outside the timed
