@@ -44,7 +44,7 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.gradio_fix import drop_copies, forget_session  # noqa: E402
+from ui.gradio_fix import drop_copies, forget_session, keep_no_deep_link_state  # noqa: E402
 from ui.inputs import (  # noqa: E402
     MAX_NEW_TOKENS,
     SAMPLE_TOP_K,
@@ -667,8 +667,13 @@ def launch(demo: gr.Blocks, queue_max_size: int = QUEUE_MAX_SIZE, **kwargs):
     kwargs.setdefault("server_name", os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     kwargs.setdefault("server_port", int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     kwargs.setdefault("state_session_capacity", SESSIONS_KEPT)
-    return demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
-        share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], **kwargs)
+    wait = not kwargs.pop("prevent_thread_lock", False)
+    launched = demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
+        share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], prevent_thread_lock=True, **kwargs)
+    keep_no_deep_link_state(demo)  # the sessions keep no copy of the page for deep links (ui.gradio_fix)
+    if wait:
+        demo.block_thread()
+    return launched
 
 def preload(models: ModelCache) -> None:
     """Load the default model so that the first Run only decodes. A failure is reported here and again, to the

@@ -17,12 +17,19 @@ after the browser closes, until its least-recently-used cap (``state_session_cap
 session's ``gr.State`` values expire (an hour after the close, gradio's rule). ``forget_session``, called when the
 session's ``Session`` expires, drops that copy too, then hands the freed heap back to the system (glibc keeps freed
 memory otherwise), so that the process's memory goes down again after its users leave.
+
+And each ``SessionState`` keeps, in ``config_values``, the config of every component of the page with its latest
+value (the whole page's config, ~230 KB, from the session's first request on; then every figure a run drew, as
+plotly JSON), for one use: gradio's deep links (``/gradio_api/deep_link``, a ``gr.DeepLinkButton``), which this app
+does not offer. ``keep_no_deep_link_state`` makes every session of a launched app keep none of it: measured, a
+session after one 64-token Live run went from 1.9 MB of live memory to what ``docs/app.md`` gives.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections import OrderedDict
 from functools import lru_cache
 
 
@@ -69,3 +76,36 @@ def release_freed_memory() -> bool:
     """Ask glibc to hand the heap's free pages back to the system (``malloc_trim``); False where there is no glibc."""
     trim = getattr(_libc(), "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
+
+
+class _NothingKept(dict):
+    """A session's ``config_values`` that holds nothing: gradio writes into it (ignored) and reads what it just
+    wrote (an empty config, which has no ``props`` to fill)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def __missing__(self, key) -> dict:
+        return {}
+
+
+class _SlimSessions(OrderedDict):
+    """gradio's sessions by id (``StateHolder.session_data``, an LRU): each session put in keeps no deep-link
+    state."""
+
+    def __setitem__(self, key, state) -> None:
+        state.config_values = _NothingKept()
+        super().__setitem__(key, state)
+
+
+def keep_no_deep_link_state(demo) -> None:
+    """Make every session of the launched ``demo`` (those that exist, and those to come) keep no copy of the page's
+    config and latest values for deep links (see the module's text). Idempotent."""
+    holder = getattr(demo, "state_holder", None)
+    if holder is None or isinstance(holder.session_data, _SlimSessions):
+        return
+    with holder.lock:
+        slim = _SlimSessions()
+        for key, state in holder.session_data.items():
+            slim[key] = state
+        holder.session_data = slim
