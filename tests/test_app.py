@@ -114,6 +114,7 @@ def test_counters_measure_decoding_time_and_name_the_key_number_once():
 
 def test_counters_show_one_speed_per_method_and_the_one_speedup():
     baseline = Baseline(4.0, 50.0, "one plain decoding of your prompt to the same 10 tokens", True)
+    assert "so far" not in visible_text(counters_html(Rates(4, 10, 2.0), "finished", baseline=baseline))
     page = counters_html(Rates(steps=4, tokens=10, seconds=2.0), "finished", baseline=baseline)
     values = dict(re.findall(r'data-key="(\w+)" data-value="([\d.]+)"', page))
     # the run's tokens/s (10 tokens in 2 s) over plain's, as tr_core.stats.speedup defines it: nothing else
@@ -124,6 +125,9 @@ def test_counters_show_one_speed_per_method_and_the_one_speedup():
     assert "It gave the very same tokens." in text and SPEEDUP_DEFINITION in text
     differs = counters_html(Rates(4, 10, 2.0), baseline=Baseline(4.0, 50.0, "x", False))
     assert "DIFFER" in visible_text(differs)
+    # while the run goes on (plain decoding measured alongside): the speed so far, and no paragraph yet
+    so_far = visible_text(counters_html(Rates(2, 5, 1.0), "running", baseline=Baseline(4.0, 50.0, "y", None, False)))
+    assert "plain decoding's speed, so far" in so_far and "Plain decoding: y" not in so_far
 
 
 def test_first_different_token():

@@ -25,6 +25,7 @@ class Baseline:
     ms_per_token: float  # its decoding steps' mean time
     source: str  # e.g. "plain decoding of your prompt, measured alongside your run: ..." (ui.run.PlainAlongside)
     identical: bool | None = None  # whether plain decoding gave the run's very tokens
+    final: bool = True  # False while the run goes on: plain decoding's speed so far
 
 
 @dataclass(frozen=True)

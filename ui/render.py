@@ -91,13 +91,15 @@ def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline
              ("tokens_per_pass", f"{c.mean_accepted_tokens:.2f}", TOKENS_PER_PASS),
              ("tokens_per_s", f"{c.tokens_per_s:.1f}", "tokens/s, this run (whole answer, prefill included)")]
     if baseline is not None:
+        so_far = "" if baseline.final else ", so far"
         stats += [("plain_tokens_per_s", f"{baseline.tokens_per_s:.1f}", "tokens/s of plain decoding, same prompt "
-                   "and length"),
-                  ("speedup", f"{speedup(c.tokens_per_s, baseline.tokens_per_s):.2f}×", "plain decoding's speed")]
+                   f"and length{so_far}"),
+                  ("speedup", f"{speedup(c.tokens_per_s, baseline.tokens_per_s):.2f}×", f"plain decoding's speed"
+                   f"{so_far}")]
     tiles = "".join(f'<div class="tr-stat" data-key="{key}" data-value="{value.rstrip("×")}"><b>{value}</b>'
                     f"<span>{escape(name)}</span></div>" for key, value, name in stats)
     about = ""
-    if baseline is not None:
+    if baseline is not None and baseline.final:  # while the run goes on, the status line says how plain is measured
         same = {True: " It gave the very same tokens.", False: " Its tokens DIFFER from this run's."}.get(
             baseline.identical, "")
         about = (f'<div class="tr-baseline">Plain decoding: {escape(baseline.source)}; {baseline.ms_per_token:.1f} '

@@ -258,7 +258,7 @@ class PlainAlongside:
         source = (f"plain decoding of your prompt, measured alongside your run{so_far}: after each step of your run it "
                   f"decoded to the same token count ({self.tokens} tokens), each timed on its own, the two interleaved "
                   "step by step (as the race interleaves its rounds)")
-        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, mine == ids if final else None)
+        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, mine == ids if final else None, final)
 
 
 class LiveRun(_ModelRun):
