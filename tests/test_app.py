@@ -7,6 +7,7 @@ import copy
 import html
 import json
 import os
+import pickle
 import re
 import socket
 from types import SimpleNamespace
@@ -484,7 +485,9 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
     assert not snaps[-1].drafted_nothing  # the small tree drafts
     assert snaps[-1].rates.tokens == 12 == sum(len(e.new_tokens) for e in events)
     assert snaps[-1].rates.steps == len(events) and snaps[-1].rates.seconds > 0
-    assert session.live.events is events and session.live.tree == "small"
+    # the session keeps the finished record compressed, its events and names read back whole
+    assert session.live.packed and not session.live.steps and session.live.events == events
+    assert len(session.live.packed) < len(pickle.dumps(events)) and session.live.tree == "small"
     named = {t for e in events for t in e.tree_tokens + e.predicted + [r for u in e.rows_updated for r in u.new]}
     assert named <= set(session.live.names)  # every token a figure may label has its text, for /step
     assert session.live.token_text(events[0].tree_tokens[0]) == tiny_models.get("").tokenizer.decode(

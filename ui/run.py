@@ -316,6 +316,7 @@ class LiveRun(_ModelRun):
                                           self.matrix_history, self.machine_profile() if events else None)
         yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
                        drafted_nothing=self.drafted_nothing)
+        self.record.pack()  # shown: the session keeps the record compressed
 
     @property
     def drafted_nothing(self) -> bool:
@@ -388,6 +389,7 @@ class TraceReplay(Stoppable):
                                              f"as recorded on {self.where}"), "recorded_on": self.where}
         self.session.record(f"replay: {method} (recorded elsewhere)", events[0].tree_name, "-", "recorded", rates)
         yield Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
+        self.record.pack()
 
     def token_text(self, token: int) -> str:
         return self.record.token_text(token)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 import threading
+import zlib
 from copy import deepcopy
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from tr_core.assets import HOT_START_DIR, hot_start_files, model_slug
@@ -64,20 +66,45 @@ def prompt_digest(prompt: str) -> str:
     return hashlib.sha1(prompt.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+@lru_cache(maxsize=8)
+def _unpacked(packed: bytes) -> tuple[list[StepEvent], dict[int, str]]:
+    # the few records read lately (a user dragging the step slider reads one many times), shared: read, never change
+    return pickle.loads(zlib.decompress(packed))
+
+
 @dataclass
 class LiveRecord:
     """A finished (or stopped) live run: everything the step slider, the player and ``/trace`` show, with no model.
-    ``names`` holds the text of every token id the events name."""
+    ``events``: its step events; ``names``: the text of every token id they name. They fill as the run decodes
+    (``steps``, ``token_names``); once it is over, ``pack`` keeps them compressed, and reading them unpacks them: a
+    64-token run's events as Python objects took ~260 KB of a session's memory, most of it the matrix rows each step
+    rewrote as lists of ints (tracemalloc)."""
 
     model_id: str
     mode: str
     tree: str
-    events: list[StepEvent]
-    names: dict[int, str]
+    steps: list[StepEvent]
+    token_names: dict[int, str]
     hidden: tuple[str, ...] = ()  # the tokenizer's special tokens, not shown in the answer
     baseline: Baseline | None = None  # plain decoding's speed, measured beside the run
     summary: dict | None = None  # the finished run's figures (``ui.summaries.run_summary``)
     drafted_nothing: bool = False  # the auto tree stayed empty at every step: the run was plain decoding
+    packed: bytes = b""  # ``steps`` and ``token_names``, compressed once the run is over
+
+    @property
+    def events(self) -> list[StepEvent]:
+        """The run's step events, in order (once packed, a shared copy: read it, do not change it)."""
+        return _unpacked(self.packed)[0] if self.packed else self.steps
+
+    @property
+    def names(self) -> dict[int, str]:
+        return _unpacked(self.packed)[1] if self.packed else self.token_names
+
+    def pack(self) -> None:
+        """The run is over: keep its events and names compressed."""
+        if not self.packed and self.steps:
+            self.packed = zlib.compress(pickle.dumps((self.steps, self.token_names), pickle.HIGHEST_PROTOCOL), 1)
+            self.steps, self.token_names = [], {}
 
     def token_text(self, token: int) -> str:
         return self.names.get(token, f"#{token}")
