@@ -44,7 +44,7 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.gradio_fix import drop_copies, forget_session, keep_no_deep_link_state  # noqa: E402
+from ui.gradio_fix import drop_copies, forget_session, keep_no_deep_link_state, limit_malloc_arenas  # noqa: E402
 from ui.inputs import (  # noqa: E402
     MAX_NEW_TOKENS,
     SAMPLE_TOP_K,
@@ -692,6 +692,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="let the Model box load a folder on this machine (off: hub ids only; never on a "
                              "public server)")
     args = parser.parse_args(argv)
+    limit_malloc_arenas()  # before gradio's threads start: less memory stranded between malloc arenas
     models = ModelCache()
     demo = build_app(models, allow_local_models=args.allow_local_models)
     launch(demo, prevent_thread_lock=True)  # the page is served (and paints) while the model loads

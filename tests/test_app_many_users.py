@@ -7,6 +7,7 @@ The load and memory tests carry the ``load`` marker: CI runs them, ``-m "not loa
 
 from __future__ import annotations
 
+import inspect
 import json as jsonlib
 import os
 import re
@@ -368,6 +369,15 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
     finally:
         app_process.terminate()
         app_process.wait(timeout=30)
+
+
+def test_the_app_limits_glibcs_malloc_arenas_before_its_threads_start():
+    """glibc takes the limit (mallopt answers 1) and ``app.main`` sets it before it builds or launches anything."""
+    from ui.gradio_fix import limit_malloc_arenas
+
+    assert limit_malloc_arenas(16) is True  # this test process: a limit above what two cores would get anyway
+    body = inspect.getsource(app.main)
+    assert body.index("limit_malloc_arenas()") < body.index("ModelCache()") < body.index("launch(")
 
 
 def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_expires(app_models):  # noqa: F811

@@ -109,3 +109,17 @@ def keep_no_deep_link_state(demo) -> None:
         for key, state in holder.session_data.items():
             slim[key] = state
         holder.session_data = slim
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter: the most malloc arenas the process makes
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Let glibc make at most ``arenas`` malloc arenas from now on (it makes up to 8 a core, one per thread that
+    allocates while another holds an arena: gradio's worker threads). Fewer arenas, less freed memory stranded
+    between them. Measured, 20 sessions x 10 one-token runs through gradio_client, the app in its own process: its
+    RSS grew 0.21 MB a run with glibc's default (0.18 and 0.21 on earlier days), 0.06 MB a run with
+    ``MALLOC_ARENA_MAX=2`` and 0.11 MB a run with this call in ``app.main``, one run each. Call it before the threads
+    start. False where there is no glibc."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    return bool(mallopt(M_ARENA_MAX, arenas)) if mallopt is not None else False
