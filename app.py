@@ -175,8 +175,9 @@ class Handlers:
 
     @contextmanager
     def _stoppable(self, request: gr.Request, run: Stoppable):
-        """While ``run`` goes on, Stop from the same browser session ends it. First, the session's component copies
-        that earlier runs left in gradio's state go (``ui.gradio_fix``)."""
+        """While ``run`` goes on, Stop from the same browser session ends it. Before and after it, the component
+        copies that runs leave in the session's gradio state go (``ui.gradio_fix``): after it, those of the run's
+        last frame (gradio has handled it when the generator resumes), so that an idle session keeps none."""
         if self.page is not None:
             drop_copies(self.page, request.session_hash)
         if getattr(run, "session", None) is not None:
@@ -187,6 +188,8 @@ class Handlers:
         finally:
             if self.running.get(request.session_hash) is run:
                 del self.running[request.session_hash]
+            if self.page is not None:
+                drop_copies(self.page, request.session_hash)
 
     def session_expired(self, session: Session) -> None:
         """A browser session closed and its ``Session`` expired: gradio's copy of its page goes too, and the freed

@@ -399,7 +399,9 @@ def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_exp
         # (gradio_fix.keep_no_deep_link_state): 0.2 MB a session from its first request, 1.4 MB after a 64-token run
         assert sizes[3][1] == 0 and not list(state.components)
         extra = len(state.blocks_config.blocks) - len(demo.default_config.blocks)
-        assert 0 <= extra <= 12, f"{extra} component copies kept beyond the page's own"
+        # the run's last frame's copies go when the run ends (an idle session keeps none); at most the follow-up's
+        # step slider and button, should gradio handle it after the run's end (9 a run were kept before)
+        assert 0 <= extra <= 2, f"{extra} component copies kept beyond the page's own"
         # gradio drops a closed session's gr.State values when they expire (an hour after the close) but keeps its
         # copy of the page until its LRU cap; the app's delete callback drops that too (gradio_fix.forget_session)
         (session_hash,) = demo.state_holder.session_data

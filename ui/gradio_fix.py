@@ -10,7 +10,8 @@ Live tab leaves figures as they are between the frames that redraw them, so ever
 with every run of a session, 0.23 MB a run (tracemalloc, 20 sessions, 40 one-token runs).
 
 ``drop_copies`` removes, from one session's state, the entries filed under ids that are not the page's own; the
-copies under the page's ids (the session's current outputs) stay. It is called as each run starts.
+copies under the page's ids (the session's current outputs) stay. It is called as each run starts and as it
+ends (the copies of its last frame: an idle session keeps none).
 
 gradio also keeps each session's copy of the page (its ``SessionState``: the page's config, the latest figures)
 after the browser closes, until its least-recently-used cap (``state_session_capacity``) pushes it out; only the
