@@ -201,7 +201,8 @@ class Handlers:
     def live(self, session: Session, request: gr.Request = None, **values):
         """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
         answer at most every ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive
-        together), then plain decoding to the same length for the speedup, and the run's summary (JSON)."""
+        together), with plain decoding measured alongside for the speedup (``ui.run.PlainAlongside``), and the run's
+        summary (JSON)."""
         yield from _shown_errors(self._live(values, session, request), lambda message: dict(
             notice_html=notice_html(message), counters_html=counters_html(Rates(), "not run: see the message")))
 
@@ -661,6 +662,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
         wire_live(h, live, racing, out, timer)
         wire_race(h, racing, live, out)
     h.page = demo
+    keep_no_deep_link_state(demo)  # its sessions keep no copy of the page for deep links (ui.gradio_fix)
     return demo
 
 
@@ -670,13 +672,8 @@ def launch(demo: gr.Blocks, queue_max_size: int = QUEUE_MAX_SIZE, **kwargs):
     kwargs.setdefault("server_name", os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     kwargs.setdefault("server_port", int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     kwargs.setdefault("state_session_capacity", SESSIONS_KEPT)
-    wait = not kwargs.pop("prevent_thread_lock", False)
-    launched = demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
-        share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], prevent_thread_lock=True, **kwargs)
-    keep_no_deep_link_state(demo)  # the sessions keep no copy of the page for deep links (ui.gradio_fix)
-    if wait:
-        demo.block_thread()
-    return launched
+    return demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
+        share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], **kwargs)
 
 def preload(models: ModelCache) -> None:
     """Load the default model so that the first Run only decodes. A failure is reported here and again, to the

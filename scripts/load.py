@@ -52,8 +52,10 @@ def percentiles(values: list[float]) -> dict:
 
 def launch() -> tuple[str, object]:
     import app
+    from ui.gradio_fix import limit_malloc_arenas
     from ui.models import ModelCache
 
+    limit_malloc_arenas()  # as app.main does, so that the RSS reported is the app's
     models = ModelCache()
     app.preload(models)
     demo = app.build_app(models)

@@ -398,6 +398,8 @@ def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_exp
         # nor a copy of the page's config and latest figures for deep links, which the app does not offer
         # (gradio_fix.keep_no_deep_link_state): 0.2 MB a session from its first request, 1.4 MB after a 64-token run
         assert sizes[3][1] == 0 and not list(state.components)
+        # and it says it holds every component, so that gradio builds no config to fill it at every frame
+        assert demo.default_config.blocks and all(key in state.config_values for key in demo.default_config.blocks)
         extra = len(state.blocks_config.blocks) - len(demo.default_config.blocks)
         # the run's last frame's copies go when the run ends (an idle session keeps none); at most the follow-up's
         # step slider and button, should gradio handle it after the run's end (9 a run were kept before)

@@ -80,11 +80,15 @@ def release_freed_memory() -> bool:
 
 
 class _NothingKept(dict):
-    """A session's ``config_values`` that holds nothing: gradio writes into it (ignored) and reads what it just
-    wrote (an empty config, which has no ``props`` to fill)."""
+    """A session's ``config_values`` that holds nothing: gradio writes into it (ignored) and reads it back (an empty
+    config, which has no ``props`` to fill). It answers that it holds every key, so that gradio does not build a
+    component's config (``config_for_block``) to fill it at every event and every streamed frame."""
 
     def __setitem__(self, key, value) -> None:
         pass
+
+    def __contains__(self, key) -> bool:
+        return True
 
     def __missing__(self, key) -> dict:
         return {}
@@ -99,17 +103,40 @@ class _SlimSessions(OrderedDict):
         super().__setitem__(key, state)
 
 
-def keep_no_deep_link_state(demo) -> None:
-    """Make every session of the launched ``demo`` (those that exist, and those to come) keep no copy of the page's
-    config and latest values for deep links (see the module's text). Idempotent."""
-    holder = getattr(demo, "state_holder", None)
-    if holder is None or isinstance(holder.session_data, _SlimSessions):
+def _slim(holder) -> None:
+    if isinstance(holder.session_data, _SlimSessions):
         return
     with holder.lock:
         slim = _SlimSessions()
-        for key, state in holder.session_data.items():
+        for key, state in list(holder.session_data.items()):
             slim[key] = state
         holder.session_data = slim
+
+
+@lru_cache(maxsize=1)
+def _hook_set_blocks() -> None:
+    """Once per process: gradio's ``StateHolder.set_blocks`` (called as an app is launched, before it serves) slims
+    the holder of an app marked by ``keep_no_deep_link_state``; other apps' holders are left as they are."""
+    from gradio.state_holder import StateHolder
+
+    original = StateHolder.set_blocks
+
+    def set_blocks(self, blocks) -> None:
+        original(self, blocks)
+        if getattr(blocks, "_keeps_no_deep_link_state", False):
+            _slim(self)
+
+    StateHolder.set_blocks = set_blocks
+
+
+def keep_no_deep_link_state(demo) -> None:
+    """Make every session of ``demo`` keep no copy of the page's config and latest values for deep links (see the
+    module's text): from its launch on, or at once for an app already launched. Idempotent."""
+    demo._keeps_no_deep_link_state = True
+    _hook_set_blocks()
+    holder = getattr(demo, "state_holder", None)
+    if holder is not None:
+        _slim(holder)
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter: the most malloc arenas the process makes

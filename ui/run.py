@@ -251,14 +251,15 @@ class PlainAlongside:
         """Plain decoding's speed so far (``final``: over the whole answer), beside the run's ``events``."""
         if not self.events:
             return None
-        ids = [t for e in events for t in e.new_tokens]
-        mine = [t for e in self.events for t in e.new_tokens]
         rates = Rates(self.tokens, len(self.events), self.seconds)
         so_far = "" if final else " so far"
         source = (f"plain decoding of your prompt, measured alongside your run{so_far}: after each step of your run it "
                   f"decoded to the same token count ({self.tokens} tokens), each timed on its own, the two interleaved "
                   "step by step (as the race interleaves its rounds)")
-        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, mine == ids if final else None, final)
+        same = None
+        if final:
+            same = [t for e in self.events for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
+        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, same, final)
 
 
 class LiveRun(_ModelRun):
@@ -314,9 +315,10 @@ class LiveRun(_ModelRun):
         self.record.drafted_nothing = self.drafted_nothing
         self.record.summary = run_summary(s.method, tree_for(s.method, s.tree), events, rates, self.record.baseline,
                                           self.matrix_history, self.machine_profile() if events else None)
-        yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
-                       drafted_nothing=self.drafted_nothing)
-        self.record.pack()  # shown: the session keeps the record compressed
+        final = Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
+                         drafted_nothing=self.drafted_nothing)
+        self.record.pack()  # the session keeps the record compressed (the snapshot keeps its own list)
+        yield final
 
     @property
     def drafted_nothing(self) -> bool:
@@ -388,8 +390,9 @@ class TraceReplay(Stoppable):
         self.record.summary = {**run_summary(method, events[0].tree_name, shown, rates, baseline,
                                              f"as recorded on {self.where}"), "recorded_on": self.where}
         self.session.record(f"replay: {method} (recorded elsewhere)", events[0].tree_name, "-", "recorded", rates)
-        yield Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
+        final = Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
         self.record.pack()
+        yield final
 
     def token_text(self, token: int) -> str:
         return self.record.token_text(token)
