@@ -527,6 +527,17 @@ def test_plain_decoding_alongside_catches_up_step_by_step_and_counts_only_its_ow
     assert "so far" in plain.baseline(run).source and plain.baseline(run).identical is None
 
 
+def test_a_live_runs_record_is_packed_once_its_final_frame_is_shown_or_the_run_is_dropped(tiny_models):
+    session = Session()
+    run = LiveRun(session, tiny_models, settings())
+    run.prepare()
+    steps = run.snapshots()
+    final = next(snap for snap in steps if snap.done)
+    assert not session.live.packed and session.live.steps is final.events  # the final frame draws from the list
+    steps.close()  # gradio drops the generator (the browser went away) instead of asking for the end
+    assert session.live.packed and not session.live.steps and session.live.events == final.events
+
+
 def test_stop_ends_a_live_run_after_the_step_in_progress(tiny_models):
     session = Session()
     run = LiveRun(session, tiny_models, settings(max_new_tokens=64))

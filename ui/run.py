@@ -315,10 +315,11 @@ class LiveRun(_ModelRun):
         self.record.drafted_nothing = self.drafted_nothing
         self.record.summary = run_summary(s.method, tree_for(s.method, s.tree), events, rates, self.record.baseline,
                                           self.matrix_history, self.machine_profile() if events else None)
-        final = Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
-                         drafted_nothing=self.drafted_nothing)
-        self.record.pack()  # the session keeps the record compressed (the snapshot keeps its own list)
-        yield final
+        try:
+            yield Snapshot(events, rates, self.note, done=True, stopped=self.stopped, baseline=self.record.baseline,
+                           drafted_nothing=self.drafted_nothing)
+        finally:  # shown (or the generator closed): the session keeps the record compressed
+            self.record.pack()
 
     @property
     def drafted_nothing(self) -> bool:
@@ -390,9 +391,10 @@ class TraceReplay(Stoppable):
         self.record.summary = {**run_summary(method, events[0].tree_name, shown, rates, baseline,
                                              f"as recorded on {self.where}"), "recorded_on": self.where}
         self.session.record(f"replay: {method} (recorded elsewhere)", events[0].tree_name, "-", "recorded", rates)
-        final = Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
-        self.record.pack()
-        yield final
+        try:
+            yield Snapshot(shown, rates, self.note, done=True, stopped=self.stopped, baseline=baseline)
+        finally:
+            self.record.pack()
 
     def token_text(self, token: int) -> str:
         return self.record.token_text(token)
