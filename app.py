@@ -44,7 +44,13 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.gradio_fix import drop_copies, forget_session, keep_no_deep_link_state, limit_malloc_arenas  # noqa: E402
+from ui.gradio_fix import (  # noqa: E402
+    CopiedAsItself,
+    drop_copies,
+    forget_session,
+    keep_no_deep_link_state,
+    limit_malloc_arenas,
+)
 from ui.inputs import (  # noqa: E402
     MAX_NEW_TOKENS,
     SAMPLE_TOP_K,
@@ -639,7 +645,7 @@ def build_app(models: ModelCache | None = None, allow_local_models: bool = False
     choices = tree_choices()
     h = Handlers(models or ModelCache(), [name for _, name in choices], allow_local_models)
     with gr.Blocks(title="Token Recycling", analytics_enabled=False) as demo:
-        session = gr.State(Session(), delete_callback=h.session_expired)
+        session = gr.State(Session(), delete_callback=CopiedAsItself(h.session_expired))
         with gr.Column(elem_id="intro"):
             gr.Markdown(f"{TITLE}\n{SUMMARY}")
             with gr.Accordion("What Token Recycling does", open=False):

@@ -28,6 +28,8 @@ from test_app import app_models, free_port, served, visible_text  # noqa: F401  
 import app
 from tr_core.assets import HOT_START_DIR
 from tr_core.models import embedded_model_folder, encode_prompt
+from ui.gradio_fix import CopiedAsItself, _same_but_value, session_bytes
+from ui.session import Session
 
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 pytestmark = [pytest.mark.app, pytest.mark.usefixtures("no_outside_network"),
@@ -371,6 +373,22 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
         app_process.wait(timeout=30)
 
 
+def test_a_page_load_copies_the_pages_config_and_not_the_apps_models(app_models):  # noqa: F811
+    """gradio deep-copies the page's config at every page load (``GET /config``), and the session ``gr.State``'s
+    delete callback is in it. As a bound method of the app's handlers it made each page load copy the model cache
+    and the loaded models' weights, fail on a lock and start again part by part: 8-12 s a page load measured, over
+    gradio_client's 5 s timeout. Now it copies as itself, and the copy is a plain deep copy."""
+    import copy
+
+    demo = app.build_app(app_models)
+    (state,) = [c for c in demo.config["components"] if c["type"] == "state" and c["props"]["name"] == "state"
+                and isinstance(c["props"]["delete_callback"], CopiedAsItself)]
+    copied = copy.deepcopy(demo.config)  # raised TypeError ("cannot pickle '_thread.lock' object") before
+    (state_copy,) = [c for c in copied["components"] if c["id"] == state["id"]]
+    assert state_copy["props"]["delete_callback"] is state["props"]["delete_callback"]
+    assert state["props"]["delete_callback"](Session()) is None  # still the handlers' callback: nothing to forget
+
+
 def test_the_app_limits_glibcs_malloc_arenas_before_its_threads_start():
     """glibc takes the limit (mallopt answers 1) and ``app.main`` sets it before it builds or launches anything."""
     from ui.gradio_fix import limit_malloc_arenas
@@ -391,7 +409,7 @@ def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_exp
         c = client(url)
         sizes = []
         for i in range(4):
-            live(c, f"Name {i + 2} colours.", 2)
+            live(c, f"Name {i + 2} colours.", 32 if i == 3 else 2)
             (state,) = demo.state_holder.session_data.values()
             sizes.append((len(state.blocks_config.blocks), len(state.config_values)))
         assert sizes[1] == sizes[2] == sizes[3], sizes
@@ -404,9 +422,28 @@ def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_exp
         # the run's last frame's copies go when the run ends (an idle session keeps none); at most the follow-up's
         # step slider and button, should gradio handle it after the run's end (9 a run were kept before)
         assert 0 <= extra <= 2, f"{extra} component copies kept beyond the page's own"
+        # and, under the page's ids, no copy that differs from the page's component only by its value
+        page = demo.default_config.blocks
+        alike = [k for k, b in state.blocks_config.blocks.items()
+                 if b is not page.get(k, b) and _same_but_value(b, page[k])]
+        assert not alike, f"copies kept that only the value set apart: {alike}"
+        # what the session holds alone after a 32-token run, and a fresh session's (one /reset): 10,000 idle sessions
+        # in under 1 GB, with room for the longer answers (measured 27-55 KB after a 64-token run)
+        (session_hash,) = demo.state_holder.session_data
+        ran = session_bytes(demo, session_hash)
+        client(url).predict(api_name="/reset")
+        fresh = min(session_bytes(demo, h) for h in demo.state_holder.session_data if h != session_hash)
+        print(f"a session holds {ran / 1e3:.1f} KB after a 32-token run, {fresh / 1e3:.1f} KB fresh: 10,000 such "
+              f"{10_000 * ran / 2**30:.2f} / {10_000 * fresh / 2**30:.2f} GiB")
+        assert 10_000 * ran < 2**30 / 2 and fresh < ran
+        # control: the measure sees what the session holds
+        (session_obj,) = [v for v in demo.state_holder.session_data[session_hash].state_data.values()
+                          if isinstance(v, Session)]
+        session_obj.history.append({"ballast": b"x" * 200_000})
+        assert session_bytes(demo, session_hash) >= ran + 200_000
+        session_obj.history.pop()
         # gradio drops a closed session's gr.State values when they expire (an hour after the close) but keeps its
         # copy of the page until its LRU cap; the app's delete callback drops that too (gradio_fix.forget_session)
-        (session_hash,) = demo.state_holder.session_data
         demo.state_holder.delete_all_expired_state()  # still open: nothing expires
         assert session_hash in demo.state_holder.session_data
         state.is_closed, state.STATE_TTL_WHEN_CLOSED = True, 0  # as gradio marks a closed tab, its hour over

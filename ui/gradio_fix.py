@@ -9,9 +9,12 @@ Live tab leaves figures as they are between the frames that redraw them, so ever
 3 HTML blocks, a JSON) to the session's blocks and config, never dropped: measured as the app's live memory growing
 with every run of a session, 0.23 MB a run (tracemalloc, 20 sessions, 40 one-token runs).
 
-``drop_copies`` removes, from one session's state, the entries filed under ids that are not the page's own; the
-copies under the page's ids (the session's current outputs) stay. It is called as each run starts and as it
-ends (the copies of its last frame: an idle session keeps none).
+``drop_copies`` removes, from one session's state, the entries filed under ids that are not the page's own, and
+puts the page's own component back under its id where the session's copy differs from it only by its value (a copy
+made by ``gr.skip()`` or a value update: gradio keeps no value in it, so the two serve alike); copies whose
+properties an update changed stay. It is called as each run starts and as it ends (the copies of its last frame:
+an idle session keeps only the copies it needs). Measured, a session after a 64-token Live run held 9 such copies,
+~41 KB of its ~90 KB (``session_bytes``).
 
 gradio also keeps each session's copy of the page (its ``SessionState``: the page's config, the latest figures)
 after the browser closes, until its least-recently-used cap (``state_session_capacity``) pushes it out; only the
@@ -35,7 +38,8 @@ from functools import lru_cache
 
 
 def drop_copies(demo, session_hash: str | None) -> int:
-    """Drop the session's component copies filed under ids the page does not have; returns how many."""
+    """Drop the session's component copies filed under ids the page does not have, and those that differ from the
+    page's component only by value (the page's own goes back under its id); returns how many."""
     holder = getattr(demo, "state_holder", None)
     state = getattr(holder, "session_data", {}).get(session_hash) if holder is not None and session_hash else None
     if state is None:
@@ -46,7 +50,23 @@ def drop_copies(demo, session_hash: str | None) -> int:
     for key in stale:
         blocks.pop(key, None)
         state.config_values.pop(key, None)
-    return len(stale)
+    alike = [key for key, block in list(blocks.items())
+             if key in page and block is not page[key] and _same_but_value(block, page[key])]
+    for key in alike:
+        blocks[key] = page[key]
+    return len(stale) + len(alike)
+
+
+def _same_but_value(copy, original) -> bool:
+    """Whether a session's copy of a component was built with the page's component's arguments but its value (gradio
+    builds a copy from the arguments with ``render=False`` and no value)."""
+    def arguments(block) -> dict:
+        return {k: v for k, v in getattr(block, "constructor_args", {}).items() if k not in ("value", "render")}
+
+    try:
+        return type(copy) is type(original) and bool(arguments(copy) == arguments(original))
+    except Exception:  # an argument that cannot be compared (an array): keep the copy
+        return False
 
 
 def forget_session(demo, session_hash: str | None) -> bool:
@@ -151,3 +171,70 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     start. False where there is no glibc."""
     mallopt = getattr(_libc(), "mallopt", None)
     return bool(mallopt(M_ARENA_MAX, arenas)) if mallopt is not None else False
+
+
+class CopiedAsItself:
+    """A callable that copies (shallow or deep) as itself. gradio deep-copies the page's config at every page load
+    (``GET /config``), and the config holds the arguments of every component, the session ``gr.State``'s
+    ``delete_callback`` among them. A bound method of the app's handlers there made each page load deep-copy the
+    handlers, the model cache and its loaded models' weights, then fail on a lock and start again part by part
+    (gradio's ``safe_deepcopy``): measured, 8-12 s a page load with the default model loaded (5 s is gradio_client's
+    timeout for it)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"CopiedAsItself({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def retained_bytes(root, shared: set[int]) -> int:
+    """The bytes of every object reachable from ``root`` that is not in ``shared`` (ids) nor reached only through
+    one: Python objects by ``sys.getsizeof``, tensors with their data (numpy arrays that own their data count it in
+    ``getsizeof``). Classes, functions and modules are never counted or followed (the process's, not the object's).
+    An upper bound where something shared is reached by a way ``shared`` does not stop (an interned string)."""
+    import gc
+    import sys
+    import types
+
+    import torch
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+            torch.nn.Module)
+    seen, stack, total = set(shared), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, torch.Tensor) and obj._base is None and obj.layout == torch.strided:
+            total += obj.untyped_storage().nbytes()
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def session_bytes(demo, session_hash: str) -> int:
+    """What one browser session of ``demo`` holds alone, in bytes: gradio's state of it (its copy of the page's
+    blocks, the components its runs updated, its ``gr.State`` values: the app's ``Session``), less what every session
+    shares (the page's own components and functions, the shared starting matrices, ``ui.session.shared_start``).
+    0 for a session gradio does not hold."""
+    from . import session as session_module
+
+    state = demo.state_holder.session_data.get(session_hash)
+    if state is None:
+        return 0
+    config = demo.default_config
+    shared = {id(x) for x in [demo, *config.blocks.values(), *config.fns.values()]}
+    for matrix, _ in list(session_module._SHARED.values()):
+        shared.update((id(matrix), id(matrix.rows), id(matrix.probs)))
+    return retained_bytes(state, shared)
