@@ -199,9 +199,11 @@ class Step:
     """One verification step, before the stop rule: the draft ``tokens`` (n,) and ``tree``, the model's choice
     (greedy, or sampled) after every node ``predicted`` (n,), the accepted ``path`` (a + 1,) of node indices, the
     ``bonus`` token, ``new_tokens`` (the accepted draft tokens then the bonus token: a + 1 ids), the matrix ``rows``
-    the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the forward pass
-    and output layer alone); ``budget`` and ``budget_estimates``, what the draft said of its tree budget;
-    ``draft_probs``, in a sampled step, each node's probability under its parent's processed distribution."""
+    the drafter rewrote; ``started`` (``time.perf_counter()`` when the step began) and ``forward_ms`` (the verifier's
+    work: the forward pass, the output layer and the choice over the vocabulary, ``choose``, as
+    ``calibrate.measure_forward_ms`` times t(N)); ``budget`` and ``budget_estimates``, what the draft said of its
+    tree budget; ``draft_probs``, in a sampled step, each node's probability under its parent's processed
+    distribution."""
 
     tokens: torch.Tensor
     tree: TreeBuffers
@@ -254,10 +256,10 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,
                   use_cache=True).last_hidden_state[0]
     logits = head(hidden)
+    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions[0] + 1, tokens, tree)
     _sync(device)
     t2 = time.perf_counter()
 
-    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions[0] + 1, tokens, tree)
     path = accept(tokens, predicted, tree)
     bonus = int(predicted[path[-1]])
     forward_ms = (t2 - t1) * 1e3
@@ -364,7 +366,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
         event = step_event(step, steps, drafter.name, new, stop_reason, generated, text, how)
         steps += 1
         done = time.perf_counter()
-        event.overhead_ms = (done - step.started) * 1e3 - step.forward_ms  # the step's time outside the forward
+        event.overhead_ms = (done - step.started) * 1e3 - step.forward_ms  # the step's host work: draft, accept, ...
         event.elapsed_s = done - started
         yield event
 

@@ -54,7 +54,7 @@ class Outcome:
     all of it), or the prompt's distinct tokens in sequence order; ``path`` (a + 1,): the accepted path's node
     indices, root first; ``top`` (n, k): each node's ``Needs.top_k`` best next tokens, best first (None for k = 0);
     ``logits`` (n, V): the model's next-token logits at each node, from which ``probs`` (n, k), the probabilities of
-    ``top``, are computed on first use; ``forward_ms``: the forward pass and output layer, in ms (None for the
+    ``top``, are computed on first use; ``forward_ms``: the forward pass, output layer and choice, in ms (None for the
     prompt)."""
 
     tokens: torch.Tensor
@@ -164,12 +164,13 @@ class RecyclingDrafter(PlainDrafter):
             if self.needs.prefill:
                 self.matrix.seed(outcome.tokens, outcome.top, outcome.probs if keeps else None)
             return []
-        distinct = list(dict.fromkeys(outcome.tokens.tolist()))  # in order of first occurrence
+        tokens = outcome.tokens.tolist()
+        distinct = list(dict.fromkeys(tokens))  # in order of first occurrence
         old = self.matrix.rows_of(distinct)
         probs = outcome.probs if self.wants_probs else None
-        self.matrix.update(outcome.tokens, outcome.top, priority=outcome.path, probs=probs)
+        self.matrix.update(outcome.tokens, outcome.top, priority=outcome.path, probs=probs, token_list=tokens)
         new = self.matrix.rows_of(distinct)
-        return [RowUpdate(t, o, n) for t, o, n in zip(distinct, old, new)]
+        return list(map(RowUpdate, distinct, old, new))
 
     # whether the rows rewritten get their probabilities (the methods that read them; the matrix keeps them from the
     # first such write on); the others mark them unknown in a matrix that keeps them

@@ -39,7 +39,7 @@ class Rates:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class RowUpdate:
     """One adjacency-matrix row overwritten after a step: ``token``'s candidates went from ``old`` to ``new``."""
 
@@ -82,8 +82,8 @@ class StepEvent:
     new_tokens: list[int]
     new_text: str
     rows_updated: list[RowUpdate] = field(default_factory=list)
-    forward_ms: float = 0.0
-    overhead_ms: float = 0.0
+    forward_ms: float = 0.0  # the verifier's work: forward pass, output layer and the choice over the vocabulary
+    overhead_ms: float = 0.0  # the rest of the step: drafting, acceptance, the matrix and cache updates, the event
     budget: int | None = None
     budget_estimates: dict = field(default_factory=dict)
     # where each node's token came from (root included): empty = the matrix by a template (or, for plain and pld,

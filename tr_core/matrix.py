@@ -180,7 +180,7 @@ class AdjacencyMatrix:
         return self.rows[torch.tensor(ids, device=self.rows.device)].tolist()
 
     def update(self, tokens: torch.Tensor, top: torch.Tensor, priority: torch.Tensor | None = None,
-               probs: torch.Tensor | None = None) -> torch.Tensor:
+               probs: torch.Tensor | None = None, token_list: list[int] | None = None) -> torch.Tensor:
         """Overwrite the rows of ``tokens`` (n,) with ``top`` (n, >= k), each node's best next tokens, best first (the
         decoding step takes them with its greedy choice, so the matrix needs no second pass over the vocabulary);
         returns the new rows (n, k).
@@ -190,6 +190,7 @@ class AdjacencyMatrix:
 
         ``probs`` (n, >= k), the probabilities of ``top``, are written beside the ids by the same rule, into a matrix
         that keeps probabilities; without them such a matrix marks the rewritten rows' probabilities unknown.
+        ``token_list``: ``tokens.tolist()``, where the caller has it already.
         """
         if top.shape[-1] < self.k:
             raise ValueError(f"the matrix keeps k={self.k} candidates per row, got {top.shape[-1]}")
@@ -206,7 +207,7 @@ class AdjacencyMatrix:
             new_probs = probs[:, :self.k].to(torch.float16)
             self._count(probs[:, :self.k])
         # each token's winning node: its last occurrence, or its last occurrence on the accepted path
-        toks = tokens.tolist()
+        toks = tokens.tolist() if token_list is None else token_list
         winner = {t: i for i, t in enumerate(toks)}
         if priority is not None:
             for i in priority.tolist():

@@ -123,7 +123,7 @@ def new_cache(config: PretrainedConfig, capacity: int, dtype: torch.dtype | None
     cache = DynamicCache(config=config)
     layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     cache.layers = layers
-    cache.kv_store = cache.kv_store_starts = None
+    cache.kv_store = cache.kv_store_starts = None  # starts: each layer's buffers in the store
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kv_heads = getattr(text, "num_key_value_heads", None)
     heads = getattr(text, "num_attention_heads", None)
@@ -133,7 +133,7 @@ def new_cache(config: PretrainedConfig, capacity: int, dtype: torch.dtype | None
         for i, layer in enumerate(layers):
             layer._key_buf, layer._value_buf = store[2 * i:2 * i + 1], store[2 * i + 1:2 * i + 2]
         cache.kv_store = store
-        cache.kv_store_starts = [(store[2 * i].data_ptr(), store[2 * i + 1].data_ptr()) for i in range(len(layers))]
+        cache.kv_store_starts = [(layer._key_buf, layer._value_buf) for layer in layers]
     return cache
 
 
@@ -143,8 +143,8 @@ def _on_store(cache: DynamicCache) -> bool:
     starts = getattr(cache, "kv_store_starts", None)
     if starts is None:
         return False
-    for layer, (k, v) in zip(cache.layers, starts):
-        if not (layer.owns() and layer._key_buf.data_ptr() == k and layer._value_buf.data_ptr() == v):
+    for layer, (k, v) in zip(cache.layers, starts):  # a layer's buffers are replaced, never changed, when it grows
+        if not (layer._key_buf is k and layer._value_buf is v and layer.owns()):
             return False
     return True
 
