@@ -17,21 +17,22 @@ from tr_core import (
 from tr_core.spec_bench import load_questions, stratified
 
 NEW_TOKENS = 32
+PAPER_TOKENS = 24  # the 81-node tree's steps are the suite's slowest: fewer of them
 NEAR_TIE = 1e-3  # fp32 logit gap under which a batched and a one-token forward may pick different argmaxes
 
 
 @pytest.mark.slow
 def test_paper_tree_on_spec_bench_prompts(embedded):
     model, tokenizer = embedded
-    questions = [q for q in stratified(load_questions(), 1) if q.category != "summarization"][:5]
-    assert len(questions) == 5
+    questions = [q for q in stratified(load_questions(), 1) if q.category != "summarization"][:4]
+    assert len(questions) == 4
     eos = eos_token_ids(model, tokenizer)
     matrix = AdjacencyMatrix(model.get_output_embeddings().weight.shape[0], 8)  # hot start across prompts
     identical, tokens, steps = 0, 0, 0
     for q in questions:
         ids = encode_prompt(tokenizer, q.prompt)
-        plain = run(model, ids, PlainDrafter(), NEW_TOKENS, eos)
-        tr = run(model, ids, RecyclingDrafter(matrix, load_template("paper")), NEW_TOKENS, eos, TokenText(tokenizer))
+        plain = run(model, ids, PlainDrafter(), PAPER_TOKENS, eos)
+        tr = run(model, ids, RecyclingDrafter(matrix, load_template("paper")), PAPER_TOKENS, eos, TokenText(tokenizer))
         identical += tr.token_ids == plain.token_ids
         tokens += len(tr.token_ids)
         steps += tr.steps
@@ -50,9 +51,9 @@ def test_paper_tree_on_spec_bench_prompts(embedded):
         assert float(gap.max()) < NEAR_TIE, f"question {q.question_id}: a token {float(gap.max()):.2e} below the max"
         assert tr.text == tokenizer.decode(tr.token_ids)
     mat = tokens / steps
-    print(f"\nembedded model, paper tree, hot start over {len(questions)} Spec-Bench prompts, {NEW_TOKENS} tokens: "
+    print(f"\nembedded model, paper tree, hot start over {len(questions)} Spec-Bench prompts, {PAPER_TOKENS} tokens: "
           f"mean accepted tokens {mat:.2f}, identical to plain {identical}/{len(questions)}")
-    assert identical >= 4
+    assert identical >= 3
     assert mat > 1.2
 
 
