@@ -340,9 +340,9 @@ SESSIONS = 20
 
 @pytest.mark.load
 def test_the_apps_memory_per_run_and_per_session(tmp_path):
-    """The app in its own process (gradio's closed-session expiry shortened to 1 s): 20 sessions, one warm-up run
-    each, then rounds of one-token runs (2, or TR_MEMORY_ROUNDS); the RSS a session and a run add; then the clients
-    close, and the memory must not grow after they leave."""
+    """The app in its own process (gradio's closed-session expiry shortened to 1 s, and its heartbeat to 0.25 s, by
+    ``GRADIO_IS_E2E_TEST``): 20 sessions, one warm-up run each, then rounds of one-token runs (2, or
+    TR_MEMORY_ROUNDS); the RSS a session and a run add; then the clients close, and the memory goes down."""
     import socket as socket_mod
 
     rounds = int(os.environ.get("TR_MEMORY_ROUNDS", "2"))
@@ -379,10 +379,28 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
               f"({(first - before) / SESSIONS:+.2f} MB a session); after {runs} more runs {after:.1f} MB "
               f"({per_run:+.3f} MB a run); 5 s after the sessions closed {closed:.1f} MB")
         assert per_run < MB_PER_RUN
-        assert closed <= after + 1, "the memory grew after the sessions left"
+        # before ui.gradio_fix.forget_session the RSS stayed at its peak after the close (2567.2 MB at +5, +30, +90 s)
+        assert closed < after - 1, "the memory did not go down after the sessions left"
     finally:
         app_process.terminate()
         app_process.wait(timeout=30)
+
+
+def test_only_a_copy_that_differs_by_value_alone_is_taken_for_the_pages_component():
+    """gradio builds a session's copy from the page's component's arguments, ``render=False``, no value, and the
+    update's properties: only a copy whose properties are the page's is put back (``drop_copies``)."""
+    import gradio as gr
+
+    with gr.Blocks():
+        page = gr.Button("Watch", visible=False, elem_id="watch")
+    def copy(**update):
+        return gr.Button(**{**page.constructor_args, "render": False, **update})
+
+    assert _same_but_value(copy(), page)
+    assert _same_but_value(copy(value="Watch again"), page)
+    assert not _same_but_value(copy(visible=True), page)
+    assert not _same_but_value(copy(interactive=False), page)
+    assert not _same_but_value(gr.Textbox(render=False), page)
 
 
 def test_a_page_load_copies_the_pages_config_and_not_the_apps_models(app_models):  # noqa: F811

@@ -8,8 +8,9 @@ A forward pass over N tokens (the draft tree with its root) costs
 (``step_ms``): the weights stream once per pass whatever N, the arithmetic grows with N, and eager PyTorch pays a
 fixed cost per kernel it launches (``KERNELS_PER_LAYER`` per decoder layer). A run projected onto a device
 (``project``) costs the sum of its steps' t(N), plus the host work each step measured here (drafting, matrix update:
-the same code would run on that device's host); plain decoding costs one t(1) per token. The prefill is left out
-on both sides: it is one pass over the prompt for every method.
+the same code would run on that device's host; the choice over the vocabulary, argmax and top-k, is timed with the
+forward pass here and left out there, as a GPU does it in microseconds); plain decoding costs one t(1) per token.
+The prefill is left out on both sides: it is one pass over the prompt for every method.
 
     speedup = project(steps, DEVICES["A100"], shape)        # steps: [(tree nodes, tokens, host ms), ...]
 """

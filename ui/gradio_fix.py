@@ -12,9 +12,9 @@ with every run of a session, 0.23 MB a run (tracemalloc, 20 sessions, 40 one-tok
 ``drop_copies`` removes, from one session's state, the entries filed under ids that are not the page's own, and
 puts the page's own component back under its id where the session's copy differs from it only by its value (a copy
 made by ``gr.skip()`` or a value update: gradio keeps no value in it, so the two serve alike); copies whose
-properties an update changed stay. It is called as each run starts and as it ends (the copies of its last frame:
-an idle session keeps only the copies it needs). Measured, a session after a 64-token Live run held 9 such copies,
-~41 KB of its ~90 KB (``session_bytes``).
+properties an update changed stay. It is called as each run starts and as it ends (the copies of its last frame);
+the follow-up after a Live run (the step slider, the "watch" button) makes a few more, kept until the next run.
+Measured, a session after a 64-token Live run held 9 such copies, ~41 KB of its ~90 KB (``session_bytes``).
 
 gradio also keeps each session's copy of the page (its ``SessionState``: the page's config, the latest figures)
 after the browser closes, until its least-recently-used cap (``state_session_capacity``) pushes it out; only the
@@ -50,10 +50,11 @@ def drop_copies(demo, session_hash: str | None) -> int:
     for key in stale:
         blocks.pop(key, None)
         state.config_values.pop(key, None)
-    alike = [key for key, block in list(blocks.items())
+    alike = [(key, block) for key, block in list(blocks.items())
              if key in page and block is not page[key] and _same_but_value(block, page[key])]
-    for key in alike:
-        blocks[key] = page[key]
+    for key, block in alike:
+        if blocks.get(key) is block:  # not replaced meanwhile by an event of the same session
+            blocks[key] = page[key]
     return len(stale) + len(alike)
 
 
@@ -200,8 +201,9 @@ class CopiedAsItself:
 def retained_bytes(root, shared: set[int]) -> int:
     """The bytes of every object reachable from ``root`` that is not in ``shared`` (ids) nor reached only through
     one: Python objects by ``sys.getsizeof``, tensors with their data (numpy arrays that own their data count it in
-    ``getsizeof``). Classes, functions and modules are never counted or followed (the process's, not the object's).
-    An upper bound where something shared is reached by a way ``shared`` does not stop (an interned string)."""
+    ``getsizeof``). Classes, functions, bound methods, modules and torch modules are never counted or followed (the
+    process's, not the object's): what is reachable only through them is left out. Something shared that is reached
+    by a way ``shared`` does not stop (an interned string) is counted."""
     import gc
     import sys
     import types

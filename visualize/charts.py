@@ -255,10 +255,11 @@ def step_latency_figure(events: list, baseline_ms: float | None = None, title: s
     """Per decoding step of a run (``StepEvent`` objects or their dicts), two panels sharing the step axis.
 
     Top: the tokens the step added, its accepted draft tokens (trace 0) and the bonus token (trace 1) stacked:
-    the tokens per forward pass. Bottom: the step's time, the forward pass (trace 2) and the overhead around it
-    (trace 3, drafting, verifying, updating the matrix) stacked, in ms. With ``baseline_ms`` (plain decoding's time
-    for one token, measured on the same machine) a dashed line at that height and, per step, a tick at what plain
-    decoding would take for the tokens the step added: a step whose bar ends below its tick paid. A step cut at
+    the tokens per forward pass. Bottom: the step's time, the forward pass with the choice over the vocabulary (trace
+    2) and the host work around it (trace 3: drafting, accepting, updating the matrix and the cache) stacked, in ms.
+    With ``baseline_ms`` (plain decoding's time for one token, measured on the same machine) a dashed line at that
+    height and, per step, a tick at what plain decoding would take for the tokens the step added: a step whose bar
+    ends below its tick paid. A step cut at
     the run's end may add fewer tokens than it accepted; the bars count what it added."""
     steps = [_step_event(e) for e in events]
     if not steps:
