@@ -672,3 +672,17 @@ def test_the_figures_carry_a_slim_template_with_the_default_look():
         assert slim.layout[key] == full.layout[key], key
     size = len(json.dumps(slim.to_plotly_json()))
     assert size < len(json.dumps(full.to_plotly_json())) / 2, size
+
+
+def test_the_projection_chart_makes_room_for_every_line_of_its_title():
+    """On a phone the projection's title wraps to 4-5 lines; it overlapped the bars when the top margin held two."""
+    from visualize.charts import projection_figure
+
+    rows = [{"device": "this machine", "speedup": 0.9, "modelled": False}, {"device": "A100", "speedup": 1.2}]
+    title = ("this run's accepted tokens on other hardware: a model (weights over bandwidth against FLOPs over peak, "
+             "plus launches), not a measurement; this machine as measured")
+    for compact in (False, True):
+        fig = projection_figure(rows, title, compact=compact)
+        lines = fig.layout.title.text.count("<br>") + 1
+        assert fig.layout.margin.t >= 24 + 22 * lines and fig.layout.height >= fig.layout.margin.t + 36 * len(rows)
+    assert lines >= 4  # the phone's layout: the case that overlapped

@@ -353,9 +353,12 @@ def projection_figure(rows: Sequence[Mapping], title: str = "", compact: bool = 
         hovertemplate="%{y}: %{x:.2f}× plain decoding<extra></extra>"))
     fig.add_vline(x=1.0, line=dict(color=BLACK, dash="dash", width=1))
     top = max([r["speedup"] for r in rows] + [1.0])
-    title = title or "the same accepted tokens on other hardware: a model, not a measurement"
+    title = wrap(title or "the same accepted tokens on other hardware: a model, not a measurement",
+                 40 if compact else 90)
+    top_margin = 24 + 22 * (title.count("<br>") + 1)  # room for every line of the title (4-5 on a phone)
     return fig.update_layout(
-        title=dict(text=wrap(title, 40 if compact else 90), font=dict(size=14)), height=90 + 36 * len(rows),
-        margin=dict(l=10, r=10, t=60, b=30), plot_bgcolor="white", showlegend=False,
+        title=dict(text=title, font=dict(size=14), yref="container", y=1, yanchor="top", pad=dict(t=10)),
+        height=30 + top_margin + 36 * len(rows),
+        margin=dict(l=10, r=10, t=top_margin, b=30), plot_bgcolor="white", showlegend=False,
         xaxis=dict(title="speedup over plain decoding", range=[0, top * 1.45], gridcolor="#eeeeee"),
         yaxis=dict(autorange="reversed", automargin=True))
