@@ -259,8 +259,8 @@ def step_latency_figure(events: list, baseline_ms: float | None = None, title: s
     2) and the host work around it (trace 3: drafting, accepting, updating the matrix and the cache) stacked, in ms.
     With ``baseline_ms`` (plain decoding's time for one token, measured on the same machine) a dashed line at that
     height and, per step, a tick at what plain decoding would take for the tokens the step added: a step whose bar
-    ends below its tick paid. A step cut at
-    the run's end may add fewer tokens than it accepted; the bars count what it added."""
+    ends below its tick paid. A step cut at the run's end may add fewer tokens than it accepted; the bars count what
+    it added."""
     steps = [_step_event(e) for e in events]
     if not steps:
         fig = go.Figure()
