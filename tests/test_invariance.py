@@ -211,9 +211,9 @@ def test_every_method_equals_plain_decoding_in_both_modes(embedded, mode):
                "Explain in three sentences why the sky is blue, then repeat the explanation."]
     for prompt in prompts:
         ids = engine.encode(prompt)
-        plain = run(engine.model, ids, PlainDrafter(), 48, engine.eos_ids, head=engine.head).token_ids
+        plain = run(engine.model, ids, PlainDrafter(), 32, engine.eos_ids, head=engine.head).token_ids
         for drafter in (engine.drafter("tr"), engine.drafter("tr-context"), PromptLookupDrafter()):
-            got = run(engine.model, ids, drafter, 48, engine.eos_ids, head=engine.head).token_ids
+            got = run(engine.model, ids, drafter, 32, engine.eos_ids, head=engine.head).token_ids
             assert got == plain, (mode, drafter.name, prompt)
 
 

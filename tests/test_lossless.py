@@ -10,7 +10,7 @@ from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, Recyclin
 from tr_core.budget import TreeBudget, candidate_sizes
 from tr_core.drafters import AdaptiveRecyclingDrafter, nested_trees
 
-N_PROMPTS, NEW_TOKENS = 20, 64
+N_PROMPTS, NEW_TOKENS = 12, 64
 
 
 def prompts(seed: int):

@@ -60,6 +60,7 @@ class RowKeys:
         object.__setattr__(self, "flat", self.index.flatten())
         object.__setattr__(self, "grouped", (self.index.repeat_interleave(self.group, 0),
                                              ~self.valid.repeat_interleave(self.group, 0)))
+        object.__setattr__(self, "buffers", {})  # attend's scratch buffers, shared by the layers of one pass
 
 
 def window_start(position: int) -> int:
@@ -107,29 +108,51 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     return RowKeys(start, index, valid, group)
 
 
-def _at_least(a: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a`` (B, m, k) with zero rows added up to ``rows`` (BLAS kernels pick their code path by the shape, and past
-    a few rows the path, and so a row's result, stays)."""
-    m = a.shape[1]
-    return a if m >= rows else torch.cat([a, a.new_zeros(a.shape[0], rows - m, a.shape[2])], 1)
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm``."""
+    return torch.bmm(a, b)
 
 
-def _padded_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm`` on at least ``rows`` rows."""
-    return torch.bmm(_at_least(a, rows), b)[:, :a.shape[1]]
-
-
-def _onednn(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """The same product by oneDNN's linear kernel on at least ``rows`` rows, one head at a time (``b`` read as a
-    transposed weight)."""
-    padded = _at_least(a, rows)
-    return torch.stack([torch.ops.mkldnn._linear_pointwise(padded[h], b[h].t(), None, "none", [], "")[:a.shape[1]]
+def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The same product by oneDNN's linear kernel, one head at a time (``b`` read as a transposed weight)."""
+    return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h].contiguous(), b[h].t(), None, "none", [], "")
                         for h in range(a.shape[0])])
 
 
 # The ways to compute attention's products, in order of preference (fewest calls first); ``batch_invariant`` picks the
-# first whose rows come out the same here. (kind -> (product, rows it pads to))
-KINDS = {"bmm-4": (_padded_bmm, 4), "bmm-16": (_padded_bmm, 16), "onednn": (_onednn, 2)}
+# first whose rows come out the same here. (kind -> (product, the rows it runs on at least: BLAS kernels pick their
+# code path by the shape, and past a few rows the path, and so a row's result, stays; zero rows are added up to it))
+KINDS = {"bmm-4": (_bmm, 4), "bmm-16": (_bmm, 16), "onednn": (_onednn, 2)}
+
+
+@dataclass
+class _Scratch:
+    """Zeroed fp32 buffers kept with a ``RowKeys`` for all layers of one forward pass, and the views of them every
+    layer uses: each layer overwrites the step's ``m`` leading rows, and the rows after them stay zero (the padding
+    the products run on). ``queries`` (Hkv, padded, D) and its step rows as (Hkv, n, group, D); ``weights`` (Hkv,
+    padded, start + BLOCK) the scores then the softmax's weights, its step rows ``step``, their shared part
+    ``shared`` and window ``own``, and ``padded_shared`` (all rows' shared part, the shared product's input)."""
+
+    queries: torch.Tensor
+    step_queries: torch.Tensor
+    weights: torch.Tensor
+    step: torch.Tensor
+    shared: torch.Tensor
+    own: torch.Tensor
+    padded_shared: torch.Tensor
+
+
+def _scratch(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded: int, device) -> _Scratch:
+    key = (kv_heads, n, group, dim, padded)
+    scratch = rows.buffers.get(key)
+    if scratch is None:
+        m, start = n * group, rows.start
+        queries = torch.zeros(kv_heads, padded, dim, device=device)
+        weights = torch.zeros(kv_heads, padded, start + BLOCK, device=device)
+        step = weights[:, :m]
+        scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), weights,
+                                               step, step[:, :, :start], step[:, :, start:], weights[:, :, :start])
+    return scratch
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scale: float,
@@ -137,38 +160,48 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     """Attention of the step's rows. ``q`` (1, H, n, D) after rotary embedding; ``keys``, ``values`` (1, Hkv, S, D)
     fp32, the layer's cache with the step's keys appended; ``H`` a multiple of ``Hkv`` (query head ``h`` reads
     key/value head ``h // (H / Hkv)``). ``kind``: how the products are computed (``KINDS``; default: the one
-    ``batch_invariant`` found row-invariant here). Returns (1, n, H * D) in ``q``'s dtype."""
-    product, pad = KINDS[kind or batch_invariant(q.shape[1], keys.shape[1], q.shape[3]) or "bmm-4"]
-    _, heads, n, dim = q.shape
+    ``batch_invariant`` found row-invariant here). Returns (1, n, H * D) in ``q``'s dtype; ``q`` may also be given as
+    (n, H, D), as the lean forward holds it, and then (n, H * D) is returned.
+
+    Every row's scores are laid out alike whatever rows go with it: ``start`` shared scores, then its window's
+    ``BLOCK`` (masked ones -inf), one row of a (Hkv, rows, start + BLOCK) buffer; the softmax's maximum and sum are
+    taken over that row, and the weighted values are the shared part's product plus the window's."""
+    if q.dim() == 4:
+        return attend(q[0].transpose(0, 1), keys, values, rows, scale, kind)[None]
+    n, heads, dim = q.shape
+    product, pad = KINDS[kind or batch_invariant(heads, keys.shape[1], dim) or "bmm-4"]
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     if rows.group != group:
         raise ValueError(f"rows laid out for {rows.group} query heads per kv head; this model has {group}")
-    start = rows.start
-    # (Hkv, n * group, D): one kv head's queries, row-major by (row, query head); the scale applied first (exact for
-    # a power of two, and the same elementwise product for every row either way)
-    qs = (q[0].float() * scale).view(kv_heads, group, n, dim).transpose(1, 2).reshape(kv_heads, n * group, dim)
+    start, m = rows.start, n * group
+    padded = max(m, pad)  # the rows every product runs on (zero rows after the step's)
+    # (Hkv, m, D): one kv head's queries, row-major by (row, query head); the scale applied first (exact for a power
+    # of two, and the same elementwise product for every row either way)
+    scratch = _scratch(rows, kv_heads, n, group, dim, padded, q.device)
+    q32 = q if q.dtype == torch.float32 else q.float()
+    torch.mul(q32.view(n, kv_heads, group, dim).transpose(0, 1), scale, out=scratch.step_queries)
     k, v = keys[0], values[0]
     size = k.shape[1]
     if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
         k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
-    scores = product(qs, k.transpose(1, 2), pad)[:, :, :size]  # (Hkv, n * group, S)
-    index, hidden = rows.grouped  # (n * group, BLOCK)
-    own = scores.gather(2, index.expand(kv_heads, -1, -1)).masked_fill_(hidden, float("-inf"))  # (Hkv, n*group, BLOCK)
-    top = own.amax(-1, keepdim=True)
+    scores = product(scratch.queries, k.transpose(1, 2))[:, :m]  # (Hkv, m, S)
+    index, hidden = rows.grouped  # (m, BLOCK)
+    step, own = scratch.step, scratch.own
     if start:
-        shared = scores[:, :, :start]
-        top = torch.maximum(top, shared.amax(-1, keepdim=True))
-        shared = (shared - top).exp_()
-    own = (own - top).exp_()
-    total = own.sum(-1, keepdim=True)
+        scratch.shared.copy_(scores[:, :, :start])
+    torch.gather(scores, 2, index.expand(kv_heads, -1, -1), out=own)
+    own.masked_fill_(hidden, float("-inf"))
+    top = step.amax(-1, keepdim=True)
+    step.sub_(top).exp_()
+    total = step.sum(-1, keepdim=True)
     window = v.index_select(1, rows.flat).view(kv_heads * n, BLOCK, dim)
-    out = torch.bmm(own.view(kv_heads * n, group, BLOCK), window).view(kv_heads, n * group, dim)
+    out = torch.bmm(own.reshape(kv_heads * n, group, BLOCK), window).view(kv_heads, m, dim)
     if start:
-        total = shared.sum(-1, keepdim=True) + total
-        out = product(shared, v[:, :start], pad) + out
-    out = out / total  # (Hkv, n * group, D)
-    return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(1, n, heads * dim).to(q.dtype)
+        out = product(scratch.padded_shared, v[:, :start])[:, :m] + out
+    out = out.div_(total)  # (Hkv, m, D)
+    out = out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads * dim)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scale: float) -> torch.Tensor:

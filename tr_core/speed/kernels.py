@@ -211,6 +211,14 @@ class ChosenLinear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for ``x`` already (rows, in_features) and contiguous (the lean forward's activations): the
+        same kernel call without the reshapes."""
+        rows = x.shape[0]
+        run, packed = self._table[rows] if rows < len(self._table) else self._large
+        out = run(x, packed)
+        return out if self.bias is None else out + self.bias
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{self.fmt}: {', '.join(self.layouts)}")

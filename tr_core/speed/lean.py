@@ -52,17 +52,31 @@ class LeanOutput:
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # LlamaRMSNorm.forward, operation for operation
+    # LlamaRMSNorm.forward, operation for operation (the conversions only where they convert)
     dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
+    if dtype != torch.float32:
+        hidden = hidden.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
-    return weight * hidden.to(dtype)
+    return weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in four operations: ``rotate_half(x)`` is
+    ``x`` rolled by half its size with the first half negated, and the sign is carried by ``signed_sin`` (``sin``
+    with its first half negated: ``-a * b == a * -b`` exactly)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _linear(module: nn.Module):
+    """The call a linear layer of the lean forward's windowed path runs on 2D contiguous activations: a
+    ``ChosenLinear``'s ``rows`` (its kernel without the reshapes), else the module's forward."""
+    return getattr(module, "rows", module.forward)
 
 
 class LeanLlama:
@@ -98,9 +112,9 @@ class LeanLlama:
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             yield (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                   attn.q_proj.forward, attn.k_proj.forward, attn.v_proj.forward, attn.o_proj.forward,
+                   _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj),
                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                   mlp.gate_proj.forward, mlp.up_proj.forward, mlp.down_proj.forward, mlp.act_fn)
+                   _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool = True,
@@ -119,39 +133,57 @@ class LeanLlama:
                 visible = attention_mask[0, 0, :, past:]
                 visible = visible if visible.dtype == torch.bool else visible == 0
             rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
+        cos, sin = self.rotary(hidden, position_ids)
+        sin = _signed(sin)
+        if rows is not None:
+            return LeanOutput(self._windowed(hidden[0], cos[0, :, None], sin[0, :, None], rows, cache.layers)[None])
         is_causal = False
         mask = attention_mask
-        if rows is None and mask is None and n > 1:
+        if mask is None and n > 1:
             if past == 0:
                 is_causal = True  # a prefill: SDPA's own causal pattern, as transformers uses it
             else:  # several tokens in a chain on top of the cache: each sees the cache and the tokens up to itself
                 q = torch.arange(past, past + n, device=hidden.device)[:, None]
                 mask = (torch.arange(past + n, device=hidden.device)[None, :] <= q)[None, None]
-        cos, sin = self.rotary(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         shape = (batch, n, -1, self.head_dim)
         sdpa_kwargs = {"enable_gqa": True} if self.gqa else {}
         layers = cache.layers
         for i, (w1, eps1, q_proj, k_proj, v_proj, o_proj, w2, eps2, gate, up, down, act) in enumerate(self._layers()):
             residual = hidden
-            x = _rms_norm(hidden, w1, eps1)
-            q = q_proj(x).view(shape).transpose(1, 2)
-            k = k_proj(x).view(shape).transpose(1, 2)
+            x = _rms_norm(hidden, w1, eps1).reshape(batch * n, -1)
+            q = _rope(q_proj(x).view(shape).transpose(1, 2), cos, sin)
+            k = _rope(k_proj(x).view(shape).transpose(1, 2), cos, sin)
             v = v_proj(x).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            if rows is not None:
-                k, v = layers[i].update(k.float(), v.float())
-                out = attention.attend(q, k, v, rows, self.scaling)
-            else:
-                k, v = layers[i].update(k, v)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
-                                                     is_causal=is_causal, **sdpa_kwargs)
-                out = out.reshape(out.shape[0], -1, n, v.shape[-1]).transpose(1, 2).contiguous()
-                out = out.reshape(batch, n, -1).contiguous()
-            hidden = residual + o_proj(out)
+            k, v = layers[i].update(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
+                                                 is_causal=is_causal, **sdpa_kwargs)
+            out = out.reshape(out.shape[0], -1, n, v.shape[-1]).transpose(1, 2).contiguous()
+            hidden = residual + o_proj(out.reshape(batch * n, -1)).view(batch, n, -1)
             residual = hidden
-            x = _rms_norm(hidden, w2, eps2)
-            hidden = residual + down(act(gate(x)) * up(x))
+            x = _rms_norm(hidden, w2, eps2).reshape(batch * n, -1)
+            hidden = residual + down(act(gate(x)) * up(x)).view(batch, n, -1)
         norm = self.base.norm
         return LeanOutput(_rms_norm(hidden, norm.weight, norm.variance_epsilon))
+
+    def _windowed(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: attention.RowKeys,
+                  layers) -> torch.Tensor:
+        """The layers for one sequence on the batch-invariant attention, on 2D activations: ``hidden`` (n, d), the
+        embedded tokens; ``cos``, ``sin`` (n, 1, head_dim), ``sin`` signed (``_signed``). Returns the final hidden
+        states (n, d)."""
+        n = hidden.shape[0]
+        heads, kv_heads = (n, self.heads, self.head_dim), (n, self.kv_heads, self.head_dim)
+        for i, (w1, eps1, q_proj, k_proj, v_proj, o_proj, w2, eps2, gate, up, down, act) in enumerate(self._layers()):
+            x = _rms_norm(hidden, w1, eps1)
+            q = _rope(q_proj(x).view(heads), cos, sin)
+            k = _rope(k_proj(x).view(kv_heads), cos, sin)
+            v = v_proj(x).view(kv_heads)
+            # the cache holds fp32 (1, Hkv, positions, head_dim)
+            if k.dtype != torch.float32:
+                k, v = k.float(), v.float()
+            keys, values = layers[i].update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            hidden = hidden + o_proj(attention.attend(q, keys, values, rows, self.scaling))
+            x = _rms_norm(hidden, w2, eps2)
+            hidden = hidden + down(act(gate(x)) * up(x))
+        norm = self.base.norm
+        return _rms_norm(hidden, norm.weight, norm.variance_epsilon)
