@@ -17,8 +17,8 @@ per row depends only on that row's inputs, on a fixed layout of the keys:
   (its rows times the query heads of that kv head) by the keys, computed so that an entry's result does not depend
   on how many rows or keys there are (``KINDS``: ``torch.bmm`` on at least a few rows and ``BLOCK`` keys, zeros
   added, or oneDNN's matmul); the own part's weighted values are a batched product with a fixed shape per row
-  (``bmm``: query heads x BLOCK by BLOCK x head_dim). The softmax is taken over the shared scores and the window's
-  together (one maximum; two sums, each over a fixed length), in fp32.
+  (``bmm``: query heads x BLOCK by BLOCK x head_dim). The softmax is taken over one row per query, its shared scores
+  then its window's (one maximum, one sum, over ``start + BLOCK`` entries laid out alike for every row), in fp32.
 - Rows of one call must lie in one window (``row_keys`` raises otherwise): the decoding loop cuts a draft tree's
   depth at the window's end (``window_room``) and prefills in chunks aligned to ``BLOCK``.
 
@@ -108,11 +108,6 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     return RowKeys(start, index, valid, group)
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a (B, m, k) @ b (B, k, n)`` by ``torch.bmm``."""
-    return torch.bmm(a, b)
-
-
 def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The same product by oneDNN's linear kernel, one head at a time (``b`` read as a transposed weight)."""
     return torch.stack([torch.ops.mkldnn._linear_pointwise(a[h].contiguous(), b[h].t(), None, "none", [], "")
@@ -122,20 +117,19 @@ def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # The ways to compute attention's products, in order of preference (fewest calls first); ``batch_invariant`` picks the
 # first whose rows come out the same here. (kind -> (product, the rows it runs on at least: BLAS kernels pick their
 # code path by the shape, and past a few rows the path, and so a row's result, stays; zero rows are added up to it))
-KINDS = {"bmm-4": (_bmm, 4), "bmm-16": (_bmm, 16), "onednn": (_onednn, 2)}
+KINDS = {"bmm-4": (torch.bmm, 4), "bmm-16": (torch.bmm, 16), "onednn": (_onednn, 2)}
 
 
 @dataclass
 class _Scratch:
     """Zeroed fp32 buffers kept with a ``RowKeys`` for all layers of one forward pass, and the views of them every
     layer uses: each layer overwrites the step's ``m`` leading rows, and the rows after them stay zero (the padding
-    the products run on). ``queries`` (Hkv, padded, D) and its step rows as (Hkv, n, group, D); ``weights`` (Hkv,
-    padded, start + BLOCK) the scores then the softmax's weights, its step rows ``step``, their shared part
+    the products run on). ``queries`` (Hkv, padded, D) and its step rows as (Hkv, n, group, D); of the weights
+    (Hkv, padded, start + BLOCK: the scores, then the softmax's weights), the step's rows ``step``, their shared part
     ``shared`` and window ``own``, and ``padded_shared`` (all rows' shared part, the shared product's input)."""
 
     queries: torch.Tensor
     step_queries: torch.Tensor
-    weights: torch.Tensor
     step: torch.Tensor
     shared: torch.Tensor
     own: torch.Tensor
@@ -147,11 +141,11 @@ def _scratch(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded:
     scratch = rows.buffers.get(key)
     if scratch is None:
         m, start = n * group, rows.start
-        queries = torch.zeros(kv_heads, padded, dim, device=device)
-        weights = torch.zeros(kv_heads, padded, start + BLOCK, device=device)
+        queries = torch.zeros(kv_heads, padded, dim, dtype=torch.float32, device=device)
+        weights = torch.zeros(kv_heads, padded, start + BLOCK, dtype=torch.float32, device=device)
         step = weights[:, :m]
-        scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), weights,
-                                               step, step[:, :, :start], step[:, :, start:], weights[:, :, :start])
+        scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), step,
+                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start])
     return scratch
 
 
@@ -165,7 +159,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
 
     Every row's scores are laid out alike whatever rows go with it: ``start`` shared scores, then its window's
     ``BLOCK`` (masked ones -inf), one row of a (Hkv, rows, start + BLOCK) buffer; the softmax's maximum and sum are
-    taken over that row, and the weighted values are the shared part's product plus the window's."""
+    taken over that row, and the weighted values are the shared part's product plus the window's. Inference only
+    (products are written into the scratch buffers with ``out=``, which autograd does not take)."""
     if q.dim() == 4:
         return attend(q[0].transpose(0, 1), keys, values, rows, scale, kind)[None]
     n, heads, dim = q.shape
@@ -185,7 +180,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     size = k.shape[1]
     if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
         k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
-    scores = product(scratch.queries, k.transpose(1, 2))[:, :m]  # (Hkv, m, S)
+    scores = product(scratch.queries, k.transpose(1, 2))[:, :m]  # (Hkv, m, max(S, BLOCK))
     index, hidden = rows.grouped  # (m, BLOCK)
     step, own = scratch.step, scratch.own
     if start:
@@ -196,7 +191,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     step.sub_(top).exp_()
     total = step.sum(-1, keepdim=True)
     window = v.index_select(1, rows.flat).view(kv_heads * n, BLOCK, dim)
-    out = torch.bmm(own.reshape(kv_heads * n, group, BLOCK), window).view(kv_heads, m, dim)
+    # the window's weights copied out (rows of BLOCK, however many rows the step has), then by the window's values
+    out = torch.bmm(own.contiguous().view(kv_heads * n, group, BLOCK), window).view(kv_heads, m, dim)
     if start:
         out = product(scratch.padded_shared, v[:, :start])[:, :m] + out
     out = out.div_(total)  # (Hkv, m, D)

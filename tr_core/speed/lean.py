@@ -4,12 +4,13 @@ order, without its per-call machinery.
 A decoding step of a small model on a CPU is not all matmul. For the embedded model (30 layers, fp16 weights, one
 token) the linear layers took ~14 ms of a ~38 ms step; much of the rest was Python: ~15 module calls per layer, each
 through ``nn.Module.__call__``, the keyword-argument decorators of every attention and decoder layer, the output
-capturing of the model, mask preparation. ``LeanLlama`` runs the layers' own weights and kernels (``q_proj.forward``
-and so on, so the linears' kernels chosen by ``kernels.prepare_model`` are used as they are) with the same
-tensor operations but one: for fp32 and bf16 models, attention is ``attention.attend`` (fp32, each row computed
-alike whatever rows go with it) instead of torch's SDPA, so hidden states equal the model's to float tolerance and a
-token's are bit for bit the same in a plain step, a tree and a prefill. Other dtypes (the float64 test models) keep
-SDPA and equal the model's bit for bit (tested against ``generate``).
+capturing of the model, mask preparation. ``LeanLlama`` runs the layers' own weights and kernels (a linear's
+``forward``, or a ``ChosenLinear``'s kernel called directly on 2D activations, so the linears' kernels chosen by
+``kernels.prepare_model`` are used as they are) with the same tensor operations, the rotary embedding's rewritten bit
+for bit in fewer (``_rope``), but one: for fp32 and bf16 models, attention is ``attention.attend`` (fp32, each row
+computed alike whatever rows go with it) instead of torch's SDPA, so hidden states equal the model's to float
+tolerance and a token's are bit for bit the same in a plain step, a tree and a prefill. Other dtypes (the float64
+test models) keep SDPA and equal the model's bit for bit (tested against ``generate``).
 
 It takes the model only where its decoder layers are transformers' own Llama ones (``supports``); any other model
 runs its own forward.
@@ -74,8 +75,8 @@ def _signed(sin: torch.Tensor) -> torch.Tensor:
 
 
 def _linear(module: nn.Module):
-    """The call a linear layer of the lean forward's windowed path runs on 2D contiguous activations: a
-    ``ChosenLinear``'s ``rows`` (its kernel without the reshapes), else the module's forward."""
+    """The call of a linear layer of the lean forward, which gives it 2D contiguous activations: a ``ChosenLinear``'s
+    ``rows`` (its kernel without the reshapes), else the module's forward."""
     return getattr(module, "rows", module.forward)
 
 
