@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.app, pytest.mark.usefixtures("no_outside_network"),
 WORD = "Brozzlewick"
 PROMPT_A = f"My cat is called {WORD}. Write two sentences about {WORD}."
 PROMPT_B = "Name three colours, separated by commas."
-TOKENS = 24
+TOKENS = 16
 RACE_TOKENS = 12  # the isolation test's races: their trees are compared, not their speed
 
 
