@@ -154,6 +154,8 @@ def test_a_position_has_the_same_logits_alone_in_trees_and_in_prefills(embedded,
 def test_each_format_the_fast_mode_may_pick_here_is_row_invariant(embedded, ids, fmt):
     model, plan = _prepared(embedded, "fast", fmt)
     assert plan.fmt == fmt and plan.invariant
+    if plan.layouts == kernel_plan(embedded[0], "exact").layouts:
+        pytest.skip(f"{fmt}: the exact mode's kernels, layer for layer (checked by the test above in exact mode)")
     for past in PASTS:
         found = differences(position_logits(model, ids, past))
         assert _all_equal(found), (fmt, past, found)

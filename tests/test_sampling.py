@@ -301,7 +301,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(dist_model, monkeypatch):
 
 # --- the embedded model ----------------------------------------------------------------------------------------------
 
-EMBEDDED_TOKENS = 12  # each of 2 prompts by plain sampling and every method
+EMBEDDED_TOKENS = 8  # each of 2 prompts by plain sampling and every method
 
 
 @pytest.mark.slow
