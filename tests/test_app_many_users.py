@@ -334,7 +334,8 @@ def process_rss_mb(pid: int) -> float:
 # dropped); after it, 20 sessions x 10 one-token runs grew 0.18 MB a run over all 200, the growth front-loaded (the
 # heap's warm-up: +0.02 MB a run over the last 140); with malloc's arenas limited and page loads no longer copying
 # the models (ui.gradio_fix.CopiedAsItself), see docs/app.md. CI's short form (2 measured rounds) falls in the
-# heap's warm-up: its bound stays 1.5 MB a run. By hand, the full size: TR_MEMORY_ROUNDS=10.
+# heap's warm-up: its bound stays 1.5 MB a run. By hand, the full size: TR_MEMORY_SESSIONS=20
+# TR_MEMORY_ROUNDS=10.
 MB_PER_RUN = 1.5
 SESSIONS = int(os.environ.get("TR_MEMORY_SESSIONS", "10"))  # 20 at the full size, by hand
 

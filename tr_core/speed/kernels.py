@@ -204,12 +204,7 @@ class ChosenLinear(nn.Module):
         self.layouts = sorted({plan.layout_for(shape, r) for r in plan.rows} | {plan.layout_for(shape, 10**6)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        run, packed = self._table[rows] if rows < len(self._table) else self._large
-        out = run(x.reshape(rows, self.in_features).contiguous(), packed)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for ``x`` already (rows, in_features) and contiguous (the lean forward's activations): the
