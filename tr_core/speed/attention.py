@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from . import native
+
 BLOCK = 64  # positions per window: a row's own part is at most this many keys
 
 
@@ -134,9 +136,12 @@ class _Scratch:
     shared: torch.Tensor
     own: torch.Tensor
     padded_shared: torch.Tensor
+    total: torch.Tensor  # (Hkv, m): the softmax's sums (native.c's path)
+    window_out: torch.Tensor  # (Hkv, m, D): the window's weighted values (native.c's path)
 
 
-def _scratch(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded: int, device) -> _Scratch:
+def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded: int, device) -> _Scratch:
+    """The scratch buffers of ``rows``' forward pass for this model's shape (made by its first layer)."""
     key = (kv_heads, n, group, dim, padded)
     scratch = rows.buffers.get(key)
     if scratch is None:
@@ -145,7 +150,9 @@ def _scratch(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded:
         weights = torch.zeros(kv_heads, padded, start + BLOCK, dtype=torch.float32, device=device)
         step = weights[:, :m]
         scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), step,
-                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start])
+                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start],
+                                               torch.empty(kv_heads, m, device=device),
+                                               torch.empty(kv_heads, m, dim, device=device))
     return scratch
 
 
@@ -169,18 +176,32 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     group = heads // kv_heads
     if rows.group != group:
         raise ValueError(f"rows laid out for {rows.group} query heads per kv head; this model has {group}")
-    start, m = rows.start, n * group
+    m = n * group
     padded = max(m, pad)  # the rows every product runs on (zero rows after the step's)
     # (Hkv, m, D): one kv head's queries, row-major by (row, query head); the scale applied first (exact for a power
     # of two, and the same elementwise product for every row either way)
-    scratch = _scratch(rows, kv_heads, n, group, dim, padded, q.device)
+    scratch = scratch_for(rows, kv_heads, n, group, dim, padded, q.device)
     q32 = q if q.dtype == torch.float32 else q.float()
     torch.mul(q32.view(n, kv_heads, group, dim).transpose(0, 1), scale, out=scratch.step_queries)
-    k, v = keys[0], values[0]
+    out = attend_scaled(scratch, keys[0], values[0], rows, n, product, native.library())
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int, product,
+                  lib=None) -> torch.Tensor:
+    """``attend`` from the step's queries already scaled in ``scratch.queries``: ``k``, ``v`` (Hkv, S, D) fp32.
+    Returns (n, H * D) fp32. With ``lib`` (``native.library()``, fp32 buffers whose rows are contiguous), the
+    masking, softmax, window product and the output's layout are native calls; else torch operations."""
+    kv_heads, _, dim = k.shape
+    start, group = rows.start, rows.group
+    m = n * group
     size = k.shape[1]
     if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
         k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
-    scores = product(scratch.queries, k.transpose(1, 2))[:, :m]  # (Hkv, m, max(S, BLOCK))
+    scores = product(scratch.queries, k.transpose(1, 2))  # (Hkv, padded, max(S, BLOCK))
+    if lib is not None:
+        return _native_tail(lib, scratch, scores, v, rows, n, product)
+    scores = scores[:, :m]
     index, hidden = rows.grouped  # (m, BLOCK)
     step, own = scratch.step, scratch.own
     if start:
@@ -196,8 +217,23 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     if start:
         out = product(scratch.padded_shared, v[:, :start])[:, :m] + out
     out = out.div_(total)  # (Hkv, m, D)
-    out = out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads * dim)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, kv_heads * group * dim)
+
+
+def _native_tail(lib, scratch: _Scratch, scores: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int,
+                 product) -> torch.Tensor:
+    kv_heads, padded, width = scores.shape
+    start, group, dim = rows.start, rows.group, v.shape[-1]
+    if v.stride(2) != 1 or v.stride(1) != dim:
+        v = v.contiguous()
+    lib.tr_softmax_window(scores.data_ptr(), padded, width, start, rows.index.data_ptr(), rows.valid.data_ptr(), n,
+                          group, kv_heads, scratch.step.data_ptr(), scratch.total.data_ptr(), v.data_ptr(), v.stride(0),
+                          dim, scratch.window_out.data_ptr())
+    shared = product(scratch.padded_shared, v[:, :start]).contiguous() if start else None
+    out = torch.empty(n, kv_heads * group * dim)
+    lib.tr_attention_out(None if shared is None else shared.data_ptr(), padded, scratch.window_out.data_ptr(),
+                         scratch.total.data_ptr(), n, group, kv_heads, dim, out.data_ptr())
+    return out
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowKeys, scale: float) -> torch.Tensor:

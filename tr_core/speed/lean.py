@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import attention
+from . import attention, native
 
 
 def supports(model: nn.Module) -> bool:
@@ -96,6 +96,7 @@ class LeanLlama:
         self.head_dim = first.head_dim
         self.scaling = first.scaling
         self.gqa = self.heads != self.kv_heads
+        self.silu = getattr(config, "hidden_act", None) == "silu"
 
     @property
     def window(self) -> int | None:
@@ -135,9 +136,13 @@ class LeanLlama:
                 visible = visible if visible.dtype == torch.bool else visible == 0
             rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
         cos, sin = self.rotary(hidden, position_ids)
-        sin = _signed(sin)
         if rows is not None:
+            lib = self._native(hidden, cache.layers)
+            if lib is not None:
+                return LeanOutput(self._windowed_native(lib, hidden[0], cos[0], sin[0], rows, cache.layers)[None])
+            sin = _signed(sin)
             return LeanOutput(self._windowed(hidden[0], cos[0, :, None], sin[0, :, None], rows, cache.layers)[None])
+        sin = _signed(sin)
         is_causal = False
         mask = attention_mask
         if mask is None and n > 1:
@@ -166,6 +171,48 @@ class LeanLlama:
             hidden = residual + down(act(gate(x)) * up(x)).view(batch, n, -1)
         norm = self.base.norm
         return LeanOutput(_rms_norm(hidden, norm.weight, norm.variance_epsilon))
+
+    def _native(self, hidden: torch.Tensor, layers):
+        """``native.library()`` where this pass can run on it (fp32 activations, SiLU, the preallocated cache)."""
+        if hidden.dtype != torch.float32 or not self.silu or not all(hasattr(layer, "extend") for layer in layers):
+            return None
+        return native.library()
+
+    def _windowed_native(self, lib, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         rows: attention.RowKeys, layers) -> torch.Tensor:
+        """``_windowed`` with the small operations in ``native.c``'s calls (the same model, other float roundings):
+        ``hidden`` (n, d) fp32, modified in place; ``cos``, ``sin`` (n, head_dim), ``sin`` as the model gives it."""
+        n, d = hidden.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        product, pad = attention.KINDS[attention.batch_invariant(heads, kv_heads, dim) or "bmm-4"]
+        padded = max(n * group, pad)
+        scratch = attention.scratch_for(rows, kv_heads, n, group, dim, padded, hidden.device)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        like = hidden.new_empty(1, kv_heads, n, dim)
+        x = torch.empty_like(hidden)
+        pointers = (hidden.data_ptr(), x.data_ptr())
+        delta = None  # the last layer's output, added to the residual stream by the next norm
+        for i, (w1, eps1, q_proj, k_proj, v_proj, o_proj, w2, eps2, gate, up, down, _) in enumerate(self._layers()):
+            lib.tr_add_rms_norm(pointers[0], None if delta is None else delta.data_ptr(), w1.data_ptr(), eps1, n, d,
+                                pointers[1])
+            q, k, v = q_proj(x), k_proj(x), v_proj(x)
+            key_buf, value_buf, past = layers[i].extend(like)
+            lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads,
+                              kv_heads, dim, self.scaling, scratch.queries.data_ptr(), padded, key_buf.data_ptr(),
+                              value_buf.data_ptr(), key_buf.stride(1), past)
+            size = past + n
+            out = attention.attend_scaled(scratch, key_buf[0, :, :size], value_buf[0, :, :size], rows, n, product,
+                                          lib)
+            o = o_proj(out)
+            lib.tr_add_rms_norm(pointers[0], o.data_ptr(), w2.data_ptr(), eps2, n, d, pointers[1])
+            g, u = gate(x), up(x)
+            lib.tr_silu_mul(g.data_ptr(), u.data_ptr(), g.numel())
+            delta = down(g)  # kept as a tensor until read: a freed buffer's first bytes are the allocator's
+        norm = self.base.norm
+        lib.tr_add_rms_norm(pointers[0], delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, n, d,
+                            pointers[1])
+        return x
 
     def _windowed(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: attention.RowKeys,
                   layers) -> torch.Tensor:

@@ -1,0 +1,169 @@
+/* The lean forward's small per-row operations in one call each: RMS norm (with the residual add before it), the
+ * rotary embedding with the cache write, the attention's softmax and window product, and SiLU-times-up.
+ *
+ * Every function computes each row from that row's inputs alone, in a fixed order of operations (sums over
+ * LANES accumulators combined pairwise, the same for every row), so a row's bits do not depend on how many rows a
+ * call has. fp32 throughout. Built by native.py on the machine that runs it (gcc -O3 -march=native) and called
+ * through ctypes with raw pointers; the caller checks shapes, dtypes and contiguity.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define BLOCK 64
+
+static float sum_lanes(float *acc) {
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return acc[0];
+}
+
+static float sum_squares(const float *x, int d) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
+    for (int j = 0; i < d; i++, j++) acc[j] += x[i] * x[i];
+    return sum_lanes(acc);
+}
+
+/* exp(x) for x <= 0 (and a little above), ~2 ulp, 0 below -87: range reduction by ln 2, a degree-6 polynomial,
+ * the power of two put in by its bits. Branch-free, so the loops calling it vectorise. */
+static inline float exp_small(float x) {
+    float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float k = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - k * 0.693145751953125f;
+    r = r - k * 1.428606765330187045e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+/* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)); where delta is given, x[r] += delta[r] first (in place). */
+void tr_add_rms_norm(float *x, const float *delta, const float *weight, float eps, int n, int d, float *out) {
+    for (int r = 0; r < n; r++) {
+        float *row = x + (int64_t)r * d;
+        if (delta) {
+            const float *add = delta + (int64_t)r * d;
+            for (int i = 0; i < d; i++) row[i] += add[i];
+        }
+        float scale = 1.0f / sqrtf(sum_squares(row, d) / (float)d + eps);
+        float *o = out + (int64_t)r * d;
+        for (int i = 0; i < d; i++) o[i] = weight[i] * (row[i] * scale);
+    }
+}
+
+/* gate[i] = silu(gate[i]) * up[i], in place, over n values. */
+void tr_silu_mul(float *gate, const float *up, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        gate[i] = g / (1.0f + exp_small(-g)) * up[i];
+    }
+}
+
+static void rope_row(const float *x, const float *cos, const float *sin, int dim, float scale, float *out) {
+    int half = dim / 2;
+    for (int i = 0; i < half; i++) out[i] = (x[i] * cos[i] - x[i + half] * sin[i]) * scale;
+    for (int i = half; i < dim; i++) out[i] = (x[i] * cos[i] + x[i - half] * sin[i]) * scale;
+}
+
+/* The rotary embedding of the step's n rows, and where they go. q (n, H, D), k and v (n, Hkv, D), cos and sin
+ * (n, D). Each query head h = kv * group + g of row r, rotated and times scale, to queries[kv][r * group + g]
+ * (queries (Hkv, padded, D)); the rotated keys and the values to key_buf[kv][past + r], value_buf[kv][past + r]
+ * (each kv head's buffer head_stride floats apart). */
+void tr_rope_store(const float *q, const float *k, const float *v, const float *cos, const float *sin, int n,
+                   int heads, int kv_heads, int dim, float scale, float *queries, int padded, float *key_buf,
+                   float *value_buf, int64_t head_stride, int64_t past) {
+    int group = heads / kv_heads;
+    for (int r = 0; r < n; r++) {
+        const float *c = cos + (int64_t)r * dim, *s = sin + (int64_t)r * dim;
+        for (int h = 0; h < heads; h++) {
+            int kv = h / group, g = h % group;
+            rope_row(q + ((int64_t)r * heads + h) * dim, c, s, dim, scale,
+                     queries + ((int64_t)kv * padded + (int64_t)r * group + g) * dim);
+        }
+        for (int kv = 0; kv < kv_heads; kv++) {
+            int64_t at = kv * head_stride + (past + r) * dim;
+            rope_row(k + ((int64_t)r * kv_heads + kv) * dim, c, s, dim, 1.0f, key_buf + at);
+            memcpy(value_buf + at, v + ((int64_t)r * kv_heads + kv) * dim, sizeof(float) * dim);
+        }
+    }
+}
+
+/* The softmax of each of the step's m = n * group rows per kv head, and its window's weighted values.
+ * scores (Hkv, padded, width): each row's scores against every key (width >= the keys held); the row of query r
+ * reads its shared scores (keys 0 .. start-1) and its window's: index (n, BLOCK) the key at each offset, valid
+ * where valid[r][j]. weights (Hkv, padded, start + BLOCK): the softmax's numerators written there, shared then
+ * window (0 where not valid); total (Hkv, m): their sums; window_out (Hkv, m, D): the window's numerators times
+ * its values (values (Hkv, ...) head_stride floats apart per kv head). */
+void tr_softmax_window(const float *scores, int padded, int64_t width, int64_t start, const int64_t *index,
+                       const uint8_t *valid, int n, int group, int kv_heads, float *weights, float *total,
+                       const float *values, int64_t head_stride, int dim, float *window_out) {
+    int m = n * group;
+    int64_t row_len = start + BLOCK;
+    for (int kv = 0; kv < kv_heads; kv++) {
+        for (int row = 0; row < m; row++) {
+            int r = row / group;
+            const float *s = scores + ((int64_t)kv * padded + row) * width;
+            float *w = weights + ((int64_t)kv * padded + row) * row_len;
+            const int64_t *idx = index + (int64_t)r * BLOCK;
+            const uint8_t *ok = valid + (int64_t)r * BLOCK;
+            float *own = w + start;
+            for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? s[idx[j]] : -INFINITY;
+            if (start) memcpy(w, s, sizeof(float) * start);
+            float top[LANES];
+            for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
+            int64_t i = 0;
+            for (; i + LANES <= row_len; i += LANES)
+                for (int j = 0; j < LANES; j++) top[j] = w[i + j] > top[j] ? w[i + j] : top[j];
+            for (int j = 0; i < row_len; i++, j++) top[j] = w[i] > top[j] ? w[i] : top[j];
+            float most = top[0];
+            for (int j = 1; j < LANES; j++) most = top[j] > most ? top[j] : most;
+            for (i = 0; i < row_len; i++) w[i] = exp_small(w[i] - most);
+            for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? own[j] : 0.0f;
+            float acc[LANES] = {0};
+            for (i = 0; i + LANES <= row_len; i += LANES)
+                for (int j = 0; j < LANES; j++) acc[j] += w[i + j];
+            for (int j = 0; i < row_len; i++, j++) acc[j] += w[i];
+            total[(int64_t)kv * m + row] = sum_lanes(acc);
+            float *o = window_out + ((int64_t)kv * m + row) * dim;
+            for (int d = 0; d < dim; d++) o[d] = 0.0f;
+            const float *vals = values + kv * head_stride;
+            for (int j = 0; j < BLOCK; j++) {
+                if (!ok[j]) continue;
+                const float *vrow = vals + idx[j] * dim;
+                float a = own[j];
+                for (int d = 0; d < dim; d++) o[d] += a * vrow[d];
+            }
+        }
+    }
+}
+
+/* out (n, H * D): for query head h = kv * group + g of row r, (shared[kv][r * group + g] + window_out[...]) /
+ * total[...]; shared (Hkv, padded, D) or NULL where there is no shared part. */
+void tr_attention_out(const float *shared, int padded, const float *window_out, const float *total, int n,
+                      int group, int kv_heads, int dim, float *out) {
+    int m = n * group, heads = kv_heads * group;
+    for (int kv = 0; kv < kv_heads; kv++)
+        for (int row = 0; row < m; row++) {
+            int r = row / group, h = kv * group + row % group;
+            const float *w = window_out + ((int64_t)kv * m + row) * dim;
+            float t = total[(int64_t)kv * m + row];
+            float *o = out + ((int64_t)r * heads + h) * dim;
+            if (shared) {
+                const float *sh = shared + ((int64_t)kv * padded + row) * dim;
+                for (int d = 0; d < dim; d++) o[d] = (sh[d] + w[d]) / t;
+            } else {
+                for (int d = 0; d < dim; d++) o[d] = w[d] / t;
+            }
+        }
+}

@@ -1,0 +1,109 @@
+"""``native.c`` built on the machine that runs it, and called through ctypes.
+
+A one-token step of the embedded model spends more time in ~2,700 small tensor operations (RMS norms, the rotary
+embedding, the cache update, attention's masking and softmax), each a few microseconds of dispatch, than in
+arithmetic. ``native.c`` does each group of them in one call on raw fp32 buffers. It is compiled once per machine
+(``gcc -O3 -march=native``, so it uses this CPU's vector units) into the cache folder, keyed by its source, the
+compiler and the CPU; where there is no C compiler, or the build or its self-check fails, ``library()`` is None and
+the lean forward keeps its torch operations (``status()`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11"]
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "tr_add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
+    "tr_silu_mul": [_P, _P, _L],
+    "tr_rope_store": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _P, _L, _L],
+    "tr_softmax_window": [_P, _I, _L, _L, _P, _P, _I, _I, _I, _P, _P, _P, _L, _I, _P],
+    "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
+}
+_WHY: list[str] = []
+
+
+def cache_dir() -> Path:
+    from ..models import default_cache_dir
+    return default_cache_dir() / "native"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + version + _cpu_id()).encode()).hexdigest()[:16]
+    target = cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: safe for parallel builds
+        built = Path(tmp) / "native.so"
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library():
+    """The built library with its functions' signatures set, or None where it cannot be had here (``status``)."""
+    if os.environ.get("TR_NATIVE", "1") == "0":
+        _WHY.append("turned off (TR_NATIVE=0)")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        _WHY.append("no C compiler on this machine")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _WHY.append(f"not built: {exc}")
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    if not _self_check(lib):
+        _WHY.append("its self-check against torch failed")
+        return None
+    return lib
+
+
+def status() -> str:
+    """One line: whether the native operations run here, and why not where they do not."""
+    return "built for this CPU" if library() is not None else (_WHY[-1] if _WHY else "not built")
+
+
+def _self_check(lib) -> bool:
+    """The RMS norm and SiLU against torch's, to float tolerance (a miscompiled library fails here, not in a step)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    out = torch.empty_like(x)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    lib.tr_add_rms_norm(x.data_ptr(), None, w.data_ptr(), 1e-5, 3, 40, out.data_ptr())
+    gate, up = torch.linspace(-90, 90, 301), torch.randn(301, generator=g)
+    ref_silu = torch.nn.functional.silu(gate) * up
+    lib.tr_silu_mul(gate.data_ptr(), up.data_ptr(), 301)
+    return bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5) and torch.allclose(gate, ref_silu, rtol=1e-5,
+                                                                                    atol=1e-5))
