@@ -24,7 +24,7 @@ from .. import decoding
 from ..decoding import max_positions, top_k, tree_mask
 from ..models import default_cache_dir
 from ..tree import build_tree, load_template
-from . import attention, kv, layouts, lean
+from . import attention, kv, layouts, lean, native
 from . import kernels as kernels_module
 from .attention import BLOCK
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
@@ -38,7 +38,8 @@ def machine_key(model: PreTrainedModel) -> str:
     # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement), and
     # the code of the forward path and of this measurement
     plan = plan_of(model)
-    code = source_digest(attention, sys.modules[__name__], decoding, kernels_module, kv, lean, layouts)
+    code = source_digest(attention, sys.modules[__name__], decoding, kernels_module, kv, lean, layouts, native)
+    code += native.tag()
     kernels = f"{code}-" + (plan.tag() if plan is not None else "torch")
     device = model.device.type if model.device.type != "cpu" else cpu_name()
     raw = f"{name}-{str(model.dtype).removeprefix('torch.')}-{kernels}-{device}-t{torch.get_num_threads()}"

@@ -345,7 +345,7 @@ def kernel_summary(model: nn.Module) -> str:
     plan = _PLANS.get(model)
     if plan is None:
         return "torch's own kernels (not an fp32 CPU model)"
-    body = []
+    chosen = []
     for r in plan.rows:
         share: dict[str, float] = {}
         for s, n in plan.counts.items():
@@ -353,10 +353,12 @@ def kernel_summary(model: nn.Module) -> str:
                 name = plan.layouts[s][r]
                 ms = plan.timings[s][layouts.padded_rows(name) or r][layouts.base_layout(name)]
                 share[name] = share.get(name, 0.0) + n * ms
-        body.append((r, max(share, key=share.get)))
+        chosen.append((r, max(share, key=share.get)))
     head = [(r, plan.layouts[HEAD][r]) for r in plan.rows]
-    return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(body)}; "
-            f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads)")
+    lean = body(model)
+    small = f"; small operations: {lean.small_ops()}" if hasattr(lean, "small_ops") else ""
+    return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(chosen)}; "
+            f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads){small}")
 
 
 # model -> its lean forward (lean.LeanLlama), made on first use

@@ -172,6 +172,17 @@ class LeanLlama:
         norm = self.base.norm
         return LeanOutput(_rms_norm(hidden, norm.weight, norm.variance_epsilon))
 
+    def small_ops(self) -> str:
+        """What computes the layers' small operations (all but the linear layers and attention's two products):
+        ``native.c``'s calls, or torch's operations, and why."""
+        if self.window is None:
+            return "torch's operations (no batch-invariant attention here)"
+        if self.embed.weight.dtype != torch.float32 or not self.silu:
+            return "torch's operations (the native calls take fp32 activations and SiLU)"
+        if native.library() is None:
+            return f"torch's operations (native calls {native.status()})"
+        return "native calls built for this CPU (one call per norm, rotary, softmax, SiLU)"
+
     def _native(self, hidden: torch.Tensor, layers):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU, the preallocated cache)."""
         if hidden.dtype != torch.float32 or not self.silu or not all(hasattr(layer, "extend") for layer in layers):

@@ -90,6 +90,13 @@ def library():
     return lib
 
 
+def tag() -> str:
+    """What the forward's small operations run on, for cache keys of timings: the C source's digest, or "torch"."""
+    if library() is None:
+        return "torch"
+    return "c" + hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:8]
+
+
 def status() -> str:
     """One line: whether the native operations run here, and why not where they do not."""
     return "built for this CPU" if library() is not None else (_WHY[-1] if _WHY else "not built")

@@ -1,0 +1,135 @@
+"""The lean forward's native calls (tr_core/speed/native.c): built on the machine that runs the suite, each call
+equal to the torch operations it replaces to float tolerance, rows still computed alike alone and among others, and
+torch's operations kept (and said) where the library cannot be built."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from tr_core.speed import attention, lean, native
+from tr_core.speed.kernels import body, kernel_summary, prepare_model
+from tr_core.speed.kv import new_cache
+
+HAS_COMPILER = bool(shutil.which("gcc") or shutil.which("cc"))
+
+
+@pytest.fixture
+def rebuilt(monkeypatch, tmp_path):
+    """``native.library`` built afresh into an empty cache folder (and its process-wide copy restored after)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine: the torch operations run instead")
+def test_the_library_is_built_once_per_machine_into_the_cache_folder(rebuilt):
+    assert native.library() is not None, native.status()
+    assert native.status() == "built for this CPU"
+    built = list((rebuilt / "token-recycling" / "native").glob("native-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # found, not rebuilt
+
+
+def test_without_a_working_compiler_torch_operations_run_and_the_summary_says_why(rebuilt, monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    assert native.library() is None
+    assert native.status().startswith("not built: /bin/false failed")
+    model = tiny_model("llama", dtype=torch.float32)
+    prepare_model(model, "exact")
+    assert "small operations: torch's operations (native calls not built: /bin/false failed" in kernel_summary(model)
+    monkeypatch.setenv("TR_NATIVE", "0")
+    native.library.cache_clear()
+    assert native.library() is None and native.status() == "turned off (TR_NATIVE=0)"
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+def test_each_call_equals_the_torch_operations_it_replaces():
+    lib = native.library()
+    g = torch.Generator().manual_seed(1)
+    n, d = 5, 48
+    x, delta, w = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    expected_x = x + delta
+    expected = lean._rms_norm(expected_x, w, 1e-6)
+    out = torch.empty_like(x)
+    lib.tr_add_rms_norm(x.data_ptr(), delta.data_ptr(), w.data_ptr(), 1e-6, n, d, out.data_ptr())
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)  # the residual stream, updated in place
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    gate, up = torch.randn(n, 3 * d, generator=g) * 30, torch.randn(n, 3 * d, generator=g)
+    expected = torch.nn.functional.silu(gate) * up
+    lib.tr_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel())
+    torch.testing.assert_close(gate, expected, rtol=1e-5, atol=1e-6)
+    heads, kv_heads, dim, past, padded = 4, 2, 16, 7, 12
+    q, k, v = (torch.randn(n, h * dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    cos, sin = torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g)
+    queries = torch.zeros(kv_heads, padded, dim)
+    keys, values = torch.zeros(1, kv_heads, 20, dim), torch.zeros(1, kv_heads, 20, dim)
+    lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, kv_heads,
+                      dim, 0.25, queries.data_ptr(), padded, keys.data_ptr(), values.data_ptr(), keys.stride(1), past)
+    signed = lean._signed(sin)[:, None]
+    rope_q = lean._rope(q.view(n, heads, dim), cos[:, None], signed) * 0.25
+    got_q = queries[:, :n * 2].view(kv_heads, n, 2, dim).transpose(0, 1).reshape(n, heads, dim)
+    torch.testing.assert_close(got_q, rope_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(keys[0, :, past:past + n].transpose(0, 1),
+                               lean._rope(k.view(n, kv_heads, dim), cos[:, None], signed), rtol=1e-6, atol=1e-6)
+    assert torch.equal(values[0, :, past:past + n].transpose(0, 1).reshape(n, -1), v)
+    assert not keys[0, :, :past].any() and not keys[0, :, past + n:].any()  # nothing written outside the rows
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+@pytest.mark.parametrize("past, n", [(0, 5), (100, 1), (300, 7), (130, 30)])
+def test_native_attention_equals_the_torch_one_and_sdpa(past, n):
+    g = torch.Generator().manual_seed(past + n)
+    heads, kv_heads, dim = 9, 3, 64
+    keys, values = torch.randn(1, kv_heads, past + n, dim, generator=g), torch.randn(1, kv_heads, past + n, dim,
+                                                                                      generator=g)
+    q = torch.randn(n, heads, dim, generator=g)
+    product, pad = attention.KINDS["bmm-4"]
+    outs = []
+    for lib in (None, native.library()):
+        rows = attention.row_keys(past, torch.arange(past, past + n), None, heads // kv_heads)
+        buffers = attention.scratch_for(rows, kv_heads, n, 3, dim, max(3 * n, pad), "cpu")
+        torch.mul(q.view(n, kv_heads, 3, dim).transpose(0, 1), 0.125, out=buffers.step_queries)
+        outs.append(attention.attend_scaled(buffers, keys[0], values[0], rows, n, product, lib))
+    reference = attention.reference(q.transpose(0, 1)[None], keys, values, rows, 0.125)[0]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[1], reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_rows_agree_on_either_path(monkeypatch, use_native):
+    # the check batch_invariant runs for the path this process takes, run here for both
+    if not use_native:
+        monkeypatch.setattr(attention.native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.skip(f"native calls {native.status()}")
+    assert any(attention._rows_agree(kind, 9, 3, 64) for kind in attention.KINDS)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+@torch.inference_mode()
+def test_the_lean_forward_on_native_calls_equals_it_on_torch_operations(monkeypatch):
+    model = tiny_model("llama", dtype=torch.float32)
+    prepare_model(model, "exact")
+    forward = body(model)
+    assert "small operations: native calls built for this CPU" in kernel_summary(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=g)
+
+    def run():
+        cache = new_cache(model.config, 8)  # small: reallocated while the steps run
+        out = [forward(input_ids=ids[:, :64], cache=cache).last_hidden_state]
+        out.append(forward(input_ids=ids[:, 64:66], position_ids=torch.tensor([[64, 65]]),
+                           cache=cache).last_hidden_state)
+        out.append(forward(input_ids=ids[:, 66:67], position_ids=torch.tensor([[66]]), cache=cache).last_hidden_state)
+        return out + [torch.cat([layer.keys for layer in cache.layers])]
+
+    with_native = run()
+    monkeypatch.setattr(lean.LeanLlama, "_native", lambda self, hidden, layers: None)
+    for a, b in zip(with_native, run()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
