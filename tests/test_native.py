@@ -7,12 +7,21 @@ import shutil
 import pytest
 import torch
 from conftest import tiny_model
+from transformers import DynamicCache
 
-from tr_core.speed import attention, lean, native
+from tr_core.speed import attention, kernels, lean, native
 from tr_core.speed.kernels import body, kernel_summary, prepare_model
 from tr_core.speed.kv import new_cache
 
 HAS_COMPILER = bool(shutil.which("gcc") or shutil.which("cc"))
+needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine: torch's operations run")
+
+
+def library_here():
+    """The library, which must build wherever a compiler is found."""
+    lib = native.library()
+    assert lib is not None, native.status()
+    return lib
 
 
 @pytest.fixture
@@ -24,9 +33,9 @@ def rebuilt(monkeypatch, tmp_path):
     native.library.cache_clear()
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine: the torch operations run instead")
+@needs_compiler
 def test_the_library_is_built_once_per_machine_into_the_cache_folder(rebuilt):
-    assert native.library() is not None, native.status()
+    library_here()
     assert native.status() == "built for this CPU"
     built = list((rebuilt / "token-recycling" / "native").glob("native-*.so"))
     assert len(built) == 1
@@ -42,15 +51,16 @@ def test_without_a_working_compiler_torch_operations_run_and_the_summary_says_wh
     assert native.status().startswith("not built: /bin/false failed")
     model = tiny_model("llama", dtype=torch.float32)
     prepare_model(model, "exact")
-    assert "small operations: torch's operations (native calls not built: /bin/false failed" in kernel_summary(model)
+    said = "native calls not built: /bin/false failed" if kernels.attention_invariant(model) else "no batch-invariant"
+    assert f"small operations: torch's operations ({said}" in kernel_summary(model)
     monkeypatch.setenv("TR_NATIVE", "0")
     native.library.cache_clear()
     assert native.library() is None and native.status() == "turned off (TR_NATIVE=0)"
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+@needs_compiler
 def test_each_call_equals_the_torch_operations_it_replaces():
-    lib = native.library()
+    lib = library_here()
     g = torch.Generator().manual_seed(1)
     n, d = 5, 48
     x, delta, w = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), torch.randn(d, generator=g)
@@ -81,22 +91,42 @@ def test_each_call_equals_the_torch_operations_it_replaces():
     assert not keys[0, :, :past].any() and not keys[0, :, past + n:].any()  # nothing written outside the rows
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
-@pytest.mark.parametrize("past, n", [(0, 5), (100, 1), (300, 7), (130, 30)])
-def test_native_attention_equals_the_torch_one_and_sdpa(past, n):
+def _tree_rows(past: int, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and visibility of a random tree of ``n`` nodes on ``past`` cached positions (each node sees its
+    ancestors and itself: holes in its window where its cousins are)."""
+    parents = attention._random_tree(n, min(4, attention.window_room(past)), g) if n > 1 else [-1]
+    paths = attention._paths(parents)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i, path in enumerate(paths):
+        visible[i, path] = True
+    return past + torch.tensor([len(p) - 1 for p in paths]), visible
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", list(attention.KINDS))
+@pytest.mark.parametrize("past, n, tree", [(0, 5, False), (100, 1, False), (300, 7, False), (130, 30, False),
+                                          (70, 12, True), (260, 40, True)])
+def test_native_attention_equals_the_torch_one_and_sdpa(past, n, tree, kind):
+    lib = library_here()
     g = torch.Generator().manual_seed(past + n)
-    heads, kv_heads, dim = 9, 3, 64
-    keys, values = torch.randn(1, kv_heads, past + n, dim, generator=g), torch.randn(1, kv_heads, past + n, dim,
-                                                                                      generator=g)
+    heads, kv_heads, dim, capacity = 9, 3, 64, past + n + 17  # buffers longer than the keys they hold
+    key_buf, value_buf = torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim,
+                                                                                       generator=g)
+    keys, values = key_buf[:, :past + n], value_buf[:, :past + n]
+    before = value_buf.clone()
     q = torch.randn(n, heads, dim, generator=g)
-    product, pad = attention.KINDS["bmm-4"]
+    positions, visible = _tree_rows(past, n, g) if tree else (torch.arange(past, past + n), None)
+    product, pad = attention.KINDS[kind]
     outs = []
-    for lib in (None, native.library()):
-        rows = attention.row_keys(past, torch.arange(past, past + n), None, heads // kv_heads)
+    for library in (None, lib):
+        rows = attention.row_keys(past, positions, visible, heads // kv_heads)
         buffers = attention.scratch_for(rows, kv_heads, n, 3, dim, max(3 * n, pad), "cpu")
         torch.mul(q.view(n, kv_heads, 3, dim).transpose(0, 1), 0.125, out=buffers.step_queries)
-        outs.append(attention.attend_scaled(buffers, keys[0], values[0], rows, n, product, lib))
-    reference = attention.reference(q.transpose(0, 1)[None], keys, values, rows, 0.125)[0]
+        outs.append(attention.attend_scaled(buffers, keys, values, rows, n, product, library))
+        # the pad rows the products run on stay zero
+        assert not buffers.queries[:, 3 * n:].any() and not buffers.padded_shared[:, 3 * n:].any()
+    assert torch.equal(value_buf, before)  # the cache is only read
+    reference = attention.reference(q.transpose(0, 1)[None], keys[None], values[None], rows, 0.125)[0]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(outs[1], reference, rtol=1e-5, atol=1e-6)
 
@@ -111,25 +141,34 @@ def test_rows_agree_on_either_path(monkeypatch, use_native):
     assert any(attention._rows_agree(kind, 9, 3, 64) for kind in attention.KINDS)
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
+@needs_compiler
 @torch.inference_mode()
 def test_the_lean_forward_on_native_calls_equals_it_on_torch_operations(monkeypatch):
+    lib = library_here()
     model = tiny_model("llama", dtype=torch.float32)
     prepare_model(model, "exact")
     forward = body(model)
     assert "small operations: native calls built for this CPU" in kernel_summary(model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=g)
+    ran = []
+    real = lean.LeanLlama._windowed_native
+    monkeypatch.setattr(lean.LeanLlama, "_windowed_native", lambda self, *a: ran.append(1) or real(self, *a))
 
-    def run():
-        cache = new_cache(model.config, 8)  # small: reallocated while the steps run
+    def run(cache):
         out = [forward(input_ids=ids[:, :64], cache=cache).last_hidden_state]
         out.append(forward(input_ids=ids[:, 64:66], position_ids=torch.tensor([[64, 65]]),
                            cache=cache).last_hidden_state)
         out.append(forward(input_ids=ids[:, 66:67], position_ids=torch.tensor([[66]]), cache=cache).last_hidden_state)
         return out + [torch.cat([layer.keys for layer in cache.layers])]
 
-    with_native = run()
-    monkeypatch.setattr(lean.LeanLlama, "_native", lambda self, hidden, layers: None)
-    for a, b in zip(with_native, run()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with_native = run(new_cache(model.config, 8))  # small: reallocated while the steps run
+    assert len(ran) == 3 and native.library() is lib
+    on_dynamic = run(DynamicCache(config=model.config))  # a cache without preallocated buffers: the same bits
+    assert len(ran) == 6
+    monkeypatch.setattr(native, "library", lambda: None)  # torch's operations everywhere, attention too
+    on_torch = run(new_cache(model.config, 8))
+    assert len(ran) == 6
+    for a, b, c in zip(with_native, on_dynamic, on_torch):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)

@@ -55,6 +55,7 @@ class RowKeys:
     index: torch.Tensor
     valid: torch.Tensor
     group: int = 1  # query heads per kv head: ``grouped`` repeats each row this many times
+    keys: int = 0  # how many keys the layer holds once the step's are appended (every index is below it)
 
     def __post_init__(self):
         # made once per forward pass, used by every layer: the window's keys flattened, and ``index`` and ``~valid``
@@ -107,7 +108,7 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     offsets = positions[cols] - start
     index[rows, offsets] = past + cols
     valid[rows, offsets] = True
-    return RowKeys(start, index, valid, group)
+    return RowKeys(start, index, valid, group, past + n)
 
 
 def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -151,8 +152,8 @@ def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padd
         step = weights[:, :m]
         scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), step,
                                                step[:, :, :start], step[:, :, start:], weights[:, :, :start],
-                                               torch.empty(kv_heads, m, device=device),
-                                               torch.empty(kv_heads, m, dim, device=device))
+                                               torch.empty(kv_heads, m, dtype=torch.float32, device=device),
+                                               torch.empty(kv_heads, m, dim, dtype=torch.float32, device=device))
     return scratch
 
 
@@ -183,7 +184,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
     scratch = scratch_for(rows, kv_heads, n, group, dim, padded, q.device)
     q32 = q if q.dtype == torch.float32 else q.float()
     torch.mul(q32.view(n, kv_heads, group, dim).transpose(0, 1), scale, out=scratch.step_queries)
-    out = attend_scaled(scratch, keys[0], values[0], rows, n, product, native.library())
+    lib = native.library() if keys.device.type == "cpu" else None
+    out = attend_scaled(scratch, keys[0], values[0], rows, n, product, lib)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -226,11 +228,16 @@ def _native_tail(lib, scratch: _Scratch, scores: torch.Tensor, v: torch.Tensor, 
     start, group, dim = rows.start, rows.group, v.shape[-1]
     if v.stride(2) != 1 or v.stride(1) != dim:
         v = v.contiguous()
+    # what the C reads without checking: fp32 buffers of these layouts, and every key the rows' windows name
+    if not (scores.dtype == v.dtype == torch.float32 and scores.is_contiguous() and v.shape[1] >= rows.keys
+            and rows.index.dtype == torch.int64 and rows.valid.dtype == torch.bool):
+        raise ValueError(f"native attention: fp32 contiguous scores and values holding {rows.keys} keys expected, "
+                         f"got {scores.dtype} {tuple(scores.shape)} and {v.dtype} {tuple(v.shape)}")
     lib.tr_softmax_window(scores.data_ptr(), padded, width, start, rows.index.data_ptr(), rows.valid.data_ptr(), n,
                           group, kv_heads, scratch.step.data_ptr(), scratch.total.data_ptr(), v.data_ptr(), v.stride(0),
                           dim, scratch.window_out.data_ptr())
     shared = product(scratch.padded_shared, v[:, :start]).contiguous() if start else None
-    out = torch.empty(n, kv_heads * group * dim)
+    out = torch.empty(n, kv_heads * group * dim, dtype=torch.float32)
     lib.tr_attention_out(None if shared is None else shared.data_ptr(), padded, scratch.window_out.data_ptr(),
                          scratch.total.data_ptr(), n, group, kv_heads, dim, out.data_ptr())
     return out
@@ -249,11 +256,15 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: R
     return out.transpose(1, 2).reshape(1, n, heads * dim).to(q.dtype)
 
 
-@functools.cache
 def batch_invariant(heads: int, kv_heads: int, head_dim: int) -> str | None:
     """The first of ``KINDS`` with which ``attend`` gives every row the same bits alone and among others on this
     machine and torch build, for a model of this many query and key/value heads and head size (``_rows_agree``);
-    None where none does."""
+    None where none does. Checked once per process and shape for what runs the softmax (``native.tag``)."""
+    return _batch_invariant(heads, kv_heads, head_dim, native.tag())
+
+
+@functools.cache
+def _batch_invariant(heads: int, kv_heads: int, head_dim: int, _softmax: str) -> str | None:
     for kind in KINDS:
         try:
             if _rows_agree(kind, heads, kv_heads, head_dim):

@@ -287,9 +287,12 @@ def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
     step = measure_forward_ms(prepared, sizes=(1, 16), use_cache_file=False)
     size = weight_bytes(model, fmt)
     stream = size / bandwidth_gbs / 1e6
+    forward = body(prepared)
+    small = forward.small_ops() if hasattr(forward, "small_ops") else "the model's own forward"
     return (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
             f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
-            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}")
+            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}; small operations: "
+            f"{small}")
 
 
 def main(argv: list[str] | None = None) -> int:

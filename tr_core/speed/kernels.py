@@ -265,6 +265,8 @@ def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu":
                 setattr(parent, name, ChosenLinear(child, plan))
+    from .lean import layers_swapped
+    layers_swapped()
     _HEADS[model] = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
     _PLANS[model] = plan
     _LATEST[plan.mode] = describe_format(plan, attention_invariant(model))

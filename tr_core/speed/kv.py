@@ -88,8 +88,7 @@ class PreallocatedLayer(DynamicLayer):
                 self._value_buf.narrow(-2, 0, length).copy_(values)
             self._ext = [_OWN, _OWN]
         end = length + like.shape[-2]
-        if end > self._key_buf.shape[-2]:
-            self._reserve(length, end, like)
+        self._reserve(length, end, like)  # returns at once where the buffers fit like's positions, shape and dtype
         self._length = [end, end]
         return self._key_buf, self._value_buf, length
 

@@ -80,8 +80,6 @@ def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     # the C++ operator itself where there is one: calling the op's packet, or even its overload, first checks in
     # Python whether to dispatch in Python (for tracing), microseconds a call, 210 calls a step of the embedded model
     global _fp16_op
-    if torch.compiler.is_compiling():  # a compiled body traces the overload
-        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
     if _fp16_op is None:
         overload = torch.ops.quantized.linear_dynamic_fp16.default
         _fp16_op = getattr(overload, "_op", overload)

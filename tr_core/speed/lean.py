@@ -80,6 +80,22 @@ def _linear(module: nn.Module):
     return getattr(module, "rows", module.forward)
 
 
+_SWAPS = [0]  # how many times linears were swapped (kernels.apply_plan): the layers' calls are collected anew
+
+
+def layers_swapped() -> None:
+    """Say that linear layers of some model were replaced: every ``LeanLlama`` collects its layers' calls anew."""
+    _SWAPS[0] += 1
+
+
+def _layer_calls(layer: nn.Module) -> tuple:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+            _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj),
+            layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+            _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn)
+
+
 class LeanLlama:
     """Callable like the base model in decoding (``input_ids``, ``position_ids``, ``attention_mask`` (a 4D additive
     mask, or None for causal), ``cache``) and returning an object with ``last_hidden_state``."""
@@ -97,6 +113,7 @@ class LeanLlama:
         self.scaling = first.scaling
         self.gqa = self.heads != self.kv_heads
         self.silu = getattr(config, "hidden_act", None) == "silu"
+        self._collected = None  # (swaps, id of the layer list, the list, per layer its calls): ``_layers``
 
     @property
     def window(self) -> int | None:
@@ -108,15 +125,14 @@ class LeanLlama:
             return attention.BLOCK
         return None
 
-    def _layers(self):
-        # looked up at every call (a few microseconds), so that layers swapped later (kernels.apply_plan) are the
-        # ones used
-        for layer in self.base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            yield (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                   _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj), _linear(attn.o_proj),
-                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                   _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn)
+    def _layers(self) -> tuple:
+        """Per layer, what a step calls: norms' weights and epsilons, the linears' calls, the activation. Collected
+        once (~1 ms a step through ``nn.Module`` attribute lookups otherwise) and again after ``kernels.apply_plan``
+        swapped the linears (``layers_swapped``) or the layer list was replaced."""
+        layers = self.base.layers
+        if self._collected is None or self._collected[:2] != (_SWAPS[0], id(layers)):
+            self._collected = (_SWAPS[0], id(layers), layers, tuple(_layer_calls(layer) for layer in layers))
+        return self._collected[3]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool = True,
@@ -184,8 +200,8 @@ class LeanLlama:
         return "native calls built for this CPU (one call per norm, rotary, softmax, SiLU)"
 
     def _native(self, hidden: torch.Tensor, layers):
-        """``native.library()`` where this pass can run on it (fp32 activations, SiLU, the preallocated cache)."""
-        if hidden.dtype != torch.float32 or not self.silu or not all(hasattr(layer, "extend") for layer in layers):
+        """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""
+        if hidden.dtype != torch.float32 or not self.silu:
             return None
         return native.library()
 
@@ -199,7 +215,7 @@ class LeanLlama:
         product, pad = attention.KINDS[attention.batch_invariant(heads, kv_heads, dim) or "bmm-4"]
         padded = max(n * group, pad)
         scratch = attention.scratch_for(rows, kv_heads, n, group, dim, padded, hidden.device)
-        cos, sin = cos.contiguous(), sin.contiguous()
+        rope = (cos.contiguous(), sin.contiguous(), scratch.queries, padded)
         like = hidden.new_empty(1, kv_heads, n, dim)
         x = torch.empty_like(hidden)
         pointers = (hidden.data_ptr(), x.data_ptr())
@@ -207,23 +223,44 @@ class LeanLlama:
         for i, (w1, eps1, q_proj, k_proj, v_proj, o_proj, w2, eps2, gate, up, down, _) in enumerate(self._layers()):
             lib.tr_add_rms_norm(pointers[0], None if delta is None else delta.data_ptr(), w1.data_ptr(), eps1, n, d,
                                 pointers[1])
-            q, k, v = q_proj(x), k_proj(x), v_proj(x)
-            key_buf, value_buf, past = layers[i].extend(like)
-            lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads,
-                              kv_heads, dim, self.scaling, scratch.queries.data_ptr(), padded, key_buf.data_ptr(),
-                              value_buf.data_ptr(), key_buf.stride(1), past)
-            size = past + n
-            out = attention.attend_scaled(scratch, key_buf[0, :, :size], value_buf[0, :, :size], rows, n, product,
-                                          lib)
-            o = o_proj(out)
+            q, k, v = q_proj(x).contiguous(), k_proj(x).contiguous(), v_proj(x).contiguous()
+            keys, values = self._rope_store(lib, layers[i], like, q, k, v, rope)
+            o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib)).contiguous()
             lib.tr_add_rms_norm(pointers[0], o.data_ptr(), w2.data_ptr(), eps2, n, d, pointers[1])
-            g, u = gate(x), up(x)
+            g, u = gate(x).contiguous(), up(x).contiguous()
+            if i == 0 and any(t.dtype != torch.float32 for t in (q, k, v, o, g, u)):
+                raise ValueError("the native forward takes fp32 linear outputs")
             lib.tr_silu_mul(g.data_ptr(), u.data_ptr(), g.numel())
-            delta = down(g)  # kept as a tensor until read: a freed buffer's first bytes are the allocator's
+            # kept as a tensor until read (a freed buffer's first bytes are the allocator's)
+            delta = down(g).contiguous()
         norm = self.base.norm
         lib.tr_add_rms_norm(pointers[0], delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, n, d,
                             pointers[1])
         return x
+
+    def _rope_store(self, lib, layer, like: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's queries rotated into the scratch buffer, its keys rotated and its values into the layer's
+        cache; returns the layer's keys and values (Hkv, positions, head_dim) fp32. A preallocated layer
+        (``kv.PreallocatedLayer.extend``) is written in place; another one takes the rows through its ``update``."""
+        cos, sin, queries, padded = rope
+        n, kv_heads, dim = like.shape[2], like.shape[1], like.shape[3]
+        preallocated = hasattr(layer, "extend")
+        if preallocated:
+            key_buf, value_buf, past = layer.extend(like)
+            if not (key_buf.dtype == value_buf.dtype == torch.float32 and key_buf.is_contiguous()
+                    and value_buf.is_contiguous() and key_buf.shape == value_buf.shape):
+                raise ValueError(f"the native forward writes an fp32 cache; this layer holds {key_buf.dtype}")
+            key_at, value_at, stride = key_buf, value_buf, key_buf.stride(1)
+        else:
+            key_at, value_at, stride, past = torch.empty_like(like), torch.empty_like(like), n * dim, 0
+        lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, self.heads,
+                          kv_heads, dim, self.scaling, queries.data_ptr(), padded, key_at.data_ptr(),
+                          value_at.data_ptr(), stride, past)
+        if preallocated:
+            return key_buf[0, :, :past + n], value_buf[0, :, :past + n]
+        keys, values = layer.update(key_at, value_at)
+        return keys[0], values[0]
 
     def _windowed(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: attention.RowKeys,
                   layers) -> torch.Tensor:

@@ -2,9 +2,10 @@
  * rotary embedding with the cache write, the attention's softmax and window product, and SiLU-times-up.
  *
  * Every function computes each row from that row's inputs alone, in a fixed order of operations (sums over
- * LANES accumulators combined pairwise, the same for every row), so a row's bits do not depend on how many rows a
- * call has. fp32 throughout. Built by native.py on the machine that runs it (gcc -O3 -march=native) and called
- * through ctypes with raw pointers; the caller checks shapes, dtypes and contiguity.
+ * LANES accumulators combined pairwise, the same for every row, and no contraction into fused multiply-adds, which
+ * could treat an element differently in a loop's vector body and its remainder), so a row's bits do not depend on
+ * how many rows a call has. fp32 throughout. Built by native.py on the machine that runs it (gcc -O3 -march=native)
+ * and called through ctypes with raw pointers; the caller checks shapes, dtypes and contiguity.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,10 +29,11 @@ static float sum_squares(const float *x, int d) {
     return sum_lanes(acc);
 }
 
-/* exp(x) for x <= 0 (and a little above), ~2 ulp, 0 below -87: range reduction by ln 2, a degree-6 polynomial,
- * the power of two put in by its bits. Branch-free, so the loops calling it vectorise. */
+/* exp(x), ~2 ulp: range reduction by ln 2, a degree-6 polynomial, the power of two put in by its bits; 0 below
+ * -87, infinity above 88.7, NaN kept. Branch-free, so the loops calling it vectorise. */
 static inline float exp_small(float x) {
-    float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float c = x > -87.0f ? x : -87.0f;  /* NaN -> -87: no undefined conversion below */
+    c = c < 88.0f ? c : 88.0f;
     float k = floorf(c * 1.44269504088896341f + 0.5f);
     float r = c - k * 0.693145751953125f;
     r = r - k * 1.428606765330187045e-06f;
@@ -42,10 +44,12 @@ static inline float exp_small(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
+    uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
+    float y = x < -87.0f ? 0.0f : p * scale;
+    y = x > 88.7f ? INFINITY : y;
+    return x != x ? x : y;
 }
 
 /* out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)); where delta is given, x[r] += delta[r] first (in place). */

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -23,7 +24,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11"]
+# -ffp-contract=off: no fused multiply-adds formed by the compiler (a loop's vector body and remainder must round
+# alike, and gcc in GNU mode or clang would contract)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC",
+         "-std=c11"]
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "tr_add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
@@ -33,6 +37,7 @@ SIGNATURES = {
     "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
 }
 _WHY: list[str] = []
+_SOURCE_TAG = "c" + hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:8]
 
 
 def cache_dir() -> Path:
@@ -40,30 +45,41 @@ def cache_dir() -> Path:
     return default_cache_dir() / "native"
 
 
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + platform.processor() + flags
+def _target(compiler: list[str]) -> str:
+    """What ``-march=native`` means on this machine, as the compiler resolves it (its version and target options):
+    a library built on another CPU, say in a copied cache folder, is not taken for this one's."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    target = subprocess.run([*compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                            timeout=30).stdout
+    return version + target + platform.machine()
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + version + _cpu_id()).encode()).hexdigest()[:16]
+def _build(compiler: list[str]) -> Path:
+    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + _target(compiler)).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: safe for parallel builds
         built = Path(tmp) / "native.so"
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+        done = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()[-300:]}")
         os.replace(built, target)
+    for old in target.parent.glob("native-*.so"):  # builds of other sources or compilers: not used again here
+        if old != target:
+            old.unlink(missing_ok=True)
     return target
+
+
+def _load(compiler: list[str]):
+    path = _build(compiler)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:  # a damaged file in the cache: built once more
+        path.unlink(missing_ok=True)
+        return ctypes.CDLL(str(_build(compiler)))
 
 
 @functools.cache
@@ -72,12 +88,12 @@ def library():
     if os.environ.get("TR_NATIVE", "1") == "0":
         _WHY.append("turned off (TR_NATIVE=0)")
         return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not compiler:
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc") or ""]
+    if not compiler[0]:
         _WHY.append("no C compiler on this machine")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = _load(compiler)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _WHY.append(f"not built: {exc}")
         return None
@@ -92,9 +108,7 @@ def library():
 
 def tag() -> str:
     """What the forward's small operations run on, for cache keys of timings: the C source's digest, or "torch"."""
-    if library() is None:
-        return "torch"
-    return "c" + hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:8]
+    return "torch" if library() is None else _SOURCE_TAG
 
 
 def status() -> str:
@@ -103,7 +117,8 @@ def status() -> str:
 
 
 def _self_check(lib) -> bool:
-    """The RMS norm and SiLU against torch's, to float tolerance (a miscompiled library fails here, not in a step)."""
+    """The RMS norm, SiLU and rotary embedding against torch's, to float tolerance (a miscompiled library fails
+    here, not in a step; the attention's calls are checked against torch's SDPA by the test suite)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
     out = torch.empty_like(x)
@@ -112,5 +127,11 @@ def _self_check(lib) -> bool:
     gate, up = torch.linspace(-90, 90, 301), torch.randn(301, generator=g)
     ref_silu = torch.nn.functional.silu(gate) * up
     lib.tr_silu_mul(gate.data_ptr(), up.data_ptr(), 301)
-    return bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5) and torch.allclose(gate, ref_silu, rtol=1e-5,
-                                                                                    atol=1e-5))
+    q, cos, sin = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    ref_q = q * cos + torch.cat([-q[:, 4:], q[:, :4]], -1) * sin
+    queries, keys, values = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    lib.tr_rope_store(q.data_ptr(), q.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2, 1, 1, 8, 1.0,
+                      queries.data_ptr(), 2, keys.data_ptr(), values.data_ptr(), 16, 0)
+    close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-5)
+    return bool(close(out, ref) and close(gate, ref_silu) and close(queries[0], ref_q) and close(keys[0], ref_q)
+                and torch.equal(values[0], q))
