@@ -12,6 +12,11 @@ computed alike whatever rows go with it) instead of torch's SDPA, so hidden stat
 tolerance and a token's are bit for bit the same in a plain step, a tree and a prefill. Other dtypes (the float64
 test models) keep SDPA and equal the model's bit for bit (tested against ``generate``).
 
+With fp32 activations (fp32 weights, or fp16 weights computed in fp32) and the C library built for the machine
+(``native.py``), a windowed pass runs ``_windowed_native``: the operations between the linear layers are a few
+``native.c`` calls a layer instead of ~90 torch operations (RMS norms with the residual adds, the rotary embedding
+with the cache write, attention's softmax and window, SiLU times up), each row computed alone as well.
+
 It takes the model only where its decoder layers are transformers' own Llama ones (``supports``); any other model
 runs its own forward.
 """
@@ -153,7 +158,7 @@ class LeanLlama:
             rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
         cos, sin = self.rotary(hidden, position_ids)
         if rows is not None:
-            lib = self._native(hidden, cache.layers)
+            lib = self._native(hidden)
             if lib is not None:
                 return LeanOutput(self._windowed_native(lib, hidden[0], cos[0], sin[0], rows, cache.layers)[None])
             sin = _signed(sin)
@@ -199,7 +204,7 @@ class LeanLlama:
             return f"torch's operations (native calls {native.status()})"
         return "native calls built for this CPU (one call per norm, rotary, softmax, SiLU)"
 
-    def _native(self, hidden: torch.Tensor, layers):
+    def _native(self, hidden: torch.Tensor):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""
         if hidden.dtype != torch.float32 or not self.silu:
             return None
