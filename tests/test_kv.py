@@ -1,5 +1,6 @@
 """The preallocated KV cache: grows without copying, keeps only the accepted path, in one gather where it can."""
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -63,3 +64,19 @@ def test_one_store_for_all_layers_keeps_the_same_path_as_layer_by_layer():
         keep_accepted_path(cache, 16, 4, torch.tensor([0, 3]))
     for a, b in zip(on_store.layers, per_layer.layers):
         assert a.keys.shape[-2] == 18 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_extend_hands_out_room_and_refits_buffers_that_do_not_match():
+    layer = PreallocatedLayer(capacity=8)
+    keys = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    layer.update(keys, -keys)
+    key_buf, value_buf, start = layer.extend(torch.empty(1, 2, 2, 4))
+    assert start == 3 and layer.get_seq_length() == 5 and key_buf.shape == (1, 2, 8, 4)
+    key_buf[:, :, 3:5] = 7.0  # the caller writes the new positions
+    assert torch.equal(layer.keys[:, :, :3], keys) and (layer.keys[:, :, 3:] == 7).all()
+    # another dtype: new buffers of the same capacity (not doubled: they were not full), the contents converted
+    key_buf, _, start = layer.extend(torch.empty(1, 2, 1, 4, dtype=torch.float64))
+    assert key_buf.dtype == torch.float64 and key_buf.shape == (1, 2, 8, 4) and start == 5
+    assert torch.equal(layer.keys[:, :, :3], keys.double())
+    with pytest.raises(ValueError, match="do not go on a cache"):  # another batch: refused, not broadcast
+        layer.extend(torch.empty(3, 2, 1, 4, dtype=torch.float64))

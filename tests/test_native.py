@@ -117,6 +117,10 @@ def test_native_attention_equals_the_torch_one_and_sdpa(past, n, tree, kind):
     q = torch.randn(n, heads, dim, generator=g)
     positions, visible = _tree_rows(past, n, g) if tree else (torch.arange(past, past + n), None)
     product, pad = attention.KINDS[kind]
+    try:
+        product(torch.zeros(1, 2, 4), torch.zeros(1, 4, 3))
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:  # as batch_invariant passes it over
+        pytest.skip(f"{kind} is not in this torch build: {exc}")
     outs = []
     for library in (None, lib):
         rows = attention.row_keys(past, positions, visible, heads // kv_heads)

@@ -101,7 +101,10 @@ class PreallocatedLayer(DynamicLayer):
                 like.shape[:-2], like.shape[-1], like.dtype, like.device):
             return  # fits (an empty layer with buffers given in advance by new_cache, too)
         old = self._key_buf.shape[-2] if self._key_buf is not None else 0
-        shape = (*like.shape[:-2], max(needed, self.capacity, 2 * old), like.shape[-1])
+        grown = 2 * old if needed > old else old  # doubled when full; kept where only the dtype or shape changed
+        shape = (*like.shape[:-2], max(needed, self.capacity, grown), like.shape[-1])
+        if length > 0 and (buf.shape[:-2], buf.shape[-1]) != (like.shape[:-2], like.shape[-1]):
+            raise ValueError(f"states of shape {tuple(like.shape)} do not go on a cache of {tuple(buf.shape)}")
         key_buf, value_buf = like.new_empty(shape), like.new_empty(shape)
         if length > 0:
             key_buf.narrow(-2, 0, length).copy_(self._key_buf.narrow(-2, 0, length))

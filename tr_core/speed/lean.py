@@ -101,6 +101,11 @@ def _layer_calls(layer: nn.Module) -> tuple:
             _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj), mlp.act_fn)
 
 
+def _fp32(*outputs: torch.Tensor) -> None:
+    if any(t.dtype != torch.float32 for t in outputs):
+        raise ValueError("the native forward takes fp32 linear outputs")
+
+
 class LeanLlama:
     """Callable like the base model in decoding (``input_ids``, ``position_ids``, ``attention_mask`` (a 4D additive
     mask, or None for causal), ``cache``) and returning an object with ``last_hidden_state``."""
@@ -229,15 +234,21 @@ class LeanLlama:
             lib.tr_add_rms_norm(pointers[0], None if delta is None else delta.data_ptr(), w1.data_ptr(), eps1, n, d,
                                 pointers[1])
             q, k, v = q_proj(x).contiguous(), k_proj(x).contiguous(), v_proj(x).contiguous()
+            if i == 0:  # the linears' outputs the C reads are fp32 (checked on the first layer: all run alike)
+                _fp32(q, k, v)
             keys, values = self._rope_store(lib, layers[i], like, q, k, v, rope)
             o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib)).contiguous()
+            if i == 0:
+                _fp32(o)
             lib.tr_add_rms_norm(pointers[0], o.data_ptr(), w2.data_ptr(), eps2, n, d, pointers[1])
             g, u = gate(x).contiguous(), up(x).contiguous()
-            if i == 0 and any(t.dtype != torch.float32 for t in (q, k, v, o, g, u)):
-                raise ValueError("the native forward takes fp32 linear outputs")
+            if i == 0:
+                _fp32(g, u)
             lib.tr_silu_mul(g.data_ptr(), u.data_ptr(), g.numel())
             # kept as a tensor until read (a freed buffer's first bytes are the allocator's)
             delta = down(g).contiguous()
+            if i == 0:
+                _fp32(delta)
         norm = self.base.norm
         lib.tr_add_rms_norm(pointers[0], delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, n, d,
                             pointers[1])

@@ -29,8 +29,8 @@ static float sum_squares(const float *x, int d) {
     return sum_lanes(acc);
 }
 
-/* exp(x), ~2 ulp: range reduction by ln 2, a degree-6 polynomial, the power of two put in by its bits; 0 below
- * -87, infinity above 88.7, NaN kept. Branch-free, so the loops calling it vectorise. */
+/* exp(x), ~2 ulp from -87 to 88: range reduction by ln 2, a degree-6 polynomial, the power of two put in by its
+ * bits; 0 below -87, e^88 up to 88.7, infinity above, NaN kept. Branch-free, so the loops calling it vectorise. */
 static inline float exp_small(float x) {
     float c = x > -87.0f ? x : -87.0f;  /* NaN -> -87: no undefined conversion below */
     c = c < 88.0f ? c : 88.0f;

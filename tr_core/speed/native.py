@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -48,10 +49,19 @@ def cache_dir() -> Path:
 def _target(compiler: list[str]) -> str:
     """What ``-march=native`` means on this machine, as the compiler resolves it (its version and target options):
     a library built on another CPU, say in a copied cache folder, is not taken for this one's."""
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    target = subprocess.run([*compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
-                            timeout=30).stdout
-    return version + target + platform.machine()
+    env = {**os.environ, "LC_ALL": "C"}  # the same words whatever the user's language
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=30, env=env)
+    version = run([*compiler, "--version"]).stdout
+    target = run([*compiler, "-march=native", "-Q", "--help=target"]).stdout  # gcc's; other compilers: the CPU's
+    return version + target + _cpu_flags() + platform.machine()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
 
 
 def _build(compiler: list[str]) -> Path:
@@ -67,8 +77,8 @@ def _build(compiler: list[str]) -> Path:
         if done.returncode:
             raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()[-300:]}")
         os.replace(built, target)
-    for old in target.parent.glob("native-*.so"):  # builds of other sources or compilers: not used again here
-        if old != target:
+    for old in target.parent.glob("native-*.so"):  # builds of other sources or compilers, untouched for a week
+        if old != target and time.time() - old.stat().st_mtime > 7 * 86400:
             old.unlink(missing_ok=True)
     return target
 
