@@ -38,7 +38,8 @@ SIGNATURES = {
     "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
 }
 _WHY: list[str] = []
-_SOURCE_TAG = "c" + hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS)).encode()).hexdigest()[:8]
+_SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
+_SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS)).encode()).hexdigest()[:8]
 
 
 def cache_dir() -> Path:
@@ -65,7 +66,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: list[str]) -> Path:
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + _target(compiler)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + _target(compiler)).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
@@ -97,6 +98,9 @@ def library():
     """The built library with its functions' signatures set, or None where it cannot be had here (``status``)."""
     if os.environ.get("TR_NATIVE", "1") == "0":
         _WHY.append("turned off (TR_NATIVE=0)")
+        return None
+    if not _SOURCE_TEXT:
+        _WHY.append(f"{SOURCE.name} is missing")
         return None
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc") or ""]
     if not compiler[0]:
