@@ -70,3 +70,43 @@ def test_lean_forward_follows_linears_swapped_after_it_was_made():
         want = model.base_model(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
         got = lean(input_ids=ids, cache=DynamicCache(config=model.config)).last_hidden_state
     torch.testing.assert_close(want, got, rtol=1e-5, atol=1e-5)  # fp32: the batch-invariant attention
+
+
+@torch.inference_mode()
+def test_fused_projections_compute_what_the_separate_ones_did():
+    from tr_core.speed.lean import fuse, fused_shapes
+    model = tiny_model("llama", dtype=torch.float32)
+    assert fused_shapes(model) == {"128x64", "256x64"}  # q 64 + k 32 + v 32; gate 128 + up 128 (conftest's config)
+    assert fused_shapes(tiny_model("qwen2")) == set() and not fuse(tiny_model("qwen2"))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    before_model = model.base_model(input_ids=ids).last_hidden_state
+    before_lean = _steps(LeanLlama(model), model, new_cache(model.config, 16))
+    k_weight = model.base_model.layers[1].self_attn.k_proj.weight.clone()
+    assert fuse(model) and fuse(model)  # idempotent
+    attn = model.base_model.layers[1].self_attn
+    assert torch.equal(attn.qkv_proj.weight[64:96], k_weight) and attn.k_proj.out_features == 32
+    assert not any(isinstance(m, torch.nn.Linear) for name, m in model.base_model.named_modules()
+                   if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    # transformers' own forward runs on the parts, the lean forward on the fused layers
+    torch.testing.assert_close(model.base_model(input_ids=ids).last_hidden_state, before_model, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_steps(LeanLlama(model), model, new_cache(model.config, 16)), before_lean):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_model_fuses_where_it_measures_the_fused_shapes():
+    from tr_core.speed.kernels import ChosenLinear, prepare_model
+    from tr_core.speed.layouts import linear_shapes, make_plan
+    model = tiny_model("llama", dtype=torch.float32)
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}  # the separate layers' shapes
+    timings = {(s, r, n): 1.0 for s in counts for r in (1, 4) for n in ("linear",)}
+    prepare_model(model, "exact", plan=make_plan("exact", timings, counts, ("linear",)))
+    assert isinstance(model.base_model.layers[0].self_attn.q_proj, ChosenLinear)  # a plan for them: not fused
+    fused = tiny_model("llama", dtype=torch.float32)
+    prepare_model(fused, "exact")  # measured here: on the fused layers
+    attn = fused.base_model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, ChosenLinear) and "128x64" in kernels_table_shapes(fused)
+
+
+def kernels_table_shapes(model) -> set[str]:
+    from tr_core.speed.kernels import kernel_table
+    return {row["shape"] for row in kernel_table(model)}
