@@ -91,6 +91,13 @@ def test_fused_projections_compute_what_the_separate_ones_did():
     torch.testing.assert_close(model.base_model(input_ids=ids).last_hidden_state, before_model, rtol=1e-5, atol=1e-5)
     for a, b in zip(_steps(LeanLlama(model), model, new_cache(model.config, 16)), before_lean):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # a deep copy's parts read the copy's fused layers, not the original's
+    import copy
+    twin = copy.deepcopy(model)
+    twin.base_model.layers[0].self_attn.qkv_proj.weight.mul_(2)
+    assert not torch.equal(twin.base_model(input_ids=ids).last_hidden_state, model.base_model(input_ids=ids)
+                           .last_hidden_state)
+    torch.testing.assert_close(model.base_model(input_ids=ids).last_hidden_state, before_model, rtol=1e-5, atol=1e-5)
 
 
 def test_prepare_model_fuses_where_it_measures_the_fused_shapes():

@@ -23,7 +23,6 @@ runs its own forward.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -93,12 +92,14 @@ class _Part(nn.Module):
 
     def __init__(self, owner: nn.Module, name: str, start: int, end: int):
         super().__init__()
-        self._owner = weakref.ref(owner)  # not a submodule: the owner holds this part
+        # the owner itself, not as a submodule (the owner holds this part); a deep copy of the model copies it with
+        # the rest, so the copy's parts read the copy's fused layer
+        object.__setattr__(self, "_owner", owner)
         self.name, self.start, self.end = name, start, end
         self.in_features, self.out_features = getattr(owner, name).in_features, end - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self._owner(), self.name)(x)[..., self.start:self.end].contiguous()
+        return getattr(self._owner, self.name)(x)[..., self.start:self.end].contiguous()
 
     def extra_repr(self) -> str:
         return f"{self.name}[{self.start}:{self.end}]"
