@@ -78,6 +78,9 @@ def test_fused_projections_compute_what_the_separate_ones_did():
     model = tiny_model("llama", dtype=torch.float32)
     assert fused_shapes(model) == {"128x64", "256x64"}  # q 64 + k 32 + v 32; gate 128 + up 128 (conftest's config)
     assert fused_shapes(tiny_model("qwen2")) == set() and not fuse(tiny_model("qwen2"))
+    biased = tiny_model("llama", dtype=torch.float32)
+    biased.base_model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.zeros(128))
+    assert fused_shapes(biased) == set() and not fuse(biased)  # a bias it would drop: left as it is
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     before_model = model.base_model(input_ids=ids).last_hidden_state
     before_lean = _steps(LeanLlama(model), model, new_cache(model.config, 16))
@@ -111,7 +114,7 @@ def test_prepare_model_fuses_where_it_measures_the_fused_shapes():
     fused = tiny_model("llama", dtype=torch.float32)
     prepare_model(fused, "exact")  # measured here: on the fused layers
     attn = fused.base_model.layers[0].self_attn
-    assert isinstance(attn.qkv_proj, ChosenLinear) and "128x64" in kernels_table_shapes(fused)
+    assert isinstance(attn.qkv_proj, ChosenLinear) and "256x64" in kernels_table_shapes(fused)  # gate and up as one
 
 
 def kernels_table_shapes(model) -> set[str]:

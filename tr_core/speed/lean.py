@@ -88,7 +88,8 @@ def _linear(module: nn.Module):
 class _Part(nn.Module):
     """One of the projections a fused linear layer computes together (``fuse``): the columns ``start:end`` of the
     output of the layer its ``owner`` holds as ``name`` (looked up at every call: ``kernels.apply_plan`` replaces
-    it). Lets transformers' own forward run on a fused model; the lean forward calls the fused layer once."""
+    it). Lets transformers' own forward run on a fused model, at the cost of computing the whole fused layer for each
+    part (the decoding loop runs the lean forward, which calls the fused layer once)."""
 
     def __init__(self, owner: nn.Module, name: str, start: int, end: int):
         super().__init__()
@@ -108,9 +109,21 @@ class _Part(nn.Module):
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
+def _fusable(model: nn.Module) -> bool:
+    """Whether ``fuse`` applies: ``supports`` holds and every projection to fuse is a plain ``nn.Linear`` without
+    bias, or the model is fused already."""
+    if not supports(model):
+        return False
+    layers = list(model.base_model.layers)
+    if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
+        return True
+    return all(type(p) is nn.Linear and p.bias is None for layer in layers for block, _, names in FUSED
+               for p in (getattr(getattr(layer, block), n) for n in names))
+
+
 def fused_shapes(model: nn.Module) -> set[str]:
     """The ``"<out>x<in>"`` shapes ``fuse`` would give ``model``'s fused layers (empty where it does not apply)."""
-    if not supports(model):
+    if not _fusable(model):
         return set()
     layer = model.base_model.layers[0]
     out = set()
@@ -125,16 +138,11 @@ def fuse(model: nn.Module) -> bool:
     into another (``gate_up_proj``), in place; the old names become ``_Part``s of them. One call instead of three and
     two: a one-token step of the embedded model calls fbgemm's kernel 60 times less (~1.3 ms here). Only where
     ``supports`` holds and the layers are plain ``nn.Linear`` without bias; returns whether it fused (or had)."""
-    if not supports(model):
+    if not _fusable(model):
         return False
     layers = list(model.base_model.layers)
     if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
         return True
-    for layer in layers:
-        for block, _, names in FUSED:
-            parts = [getattr(getattr(layer, block), n) for n in names]
-            if not all(type(p) is nn.Linear and p.bias is None for p in parts):
-                return False
     for layer in layers:
         for block, fused_name, names in FUSED:
             owner = getattr(layer, block)
