@@ -272,8 +272,8 @@ def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
     from .lean import layers_swapped
     layers_swapped()
     lean = _LEAN.get(model)
-    if lean is not None and hasattr(lean, "_collected"):
-        lean._collected = None  # the replaced linears are not kept alive until its next pass
+    if lean is not None and hasattr(lean, "_collected"):  # a LeanLlama: the replaced linears not kept alive
+        lean._collected = None
     _HEADS[model] = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
     _PLANS[model] = plan
     _LATEST[plan.mode] = describe_format(plan, attention_invariant(model))

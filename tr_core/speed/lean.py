@@ -109,14 +109,18 @@ class _Part(nn.Module):
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
+def _is_fused(model: nn.Module) -> bool:
+    return all(hasattr(layer.self_attn, FUSED[0][1]) for layer in model.base_model.layers)
+
+
 def _fusable(model: nn.Module) -> bool:
     """Whether ``fuse`` applies: ``supports`` holds and every projection to fuse is a plain ``nn.Linear`` without
     bias, or the model is fused already."""
     if not supports(model):
         return False
-    layers = list(model.base_model.layers)
-    if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
+    if _is_fused(model):
         return True
+    layers = list(model.base_model.layers)
     return all(type(p) is nn.Linear and p.bias is None for layer in layers for block, _, names in FUSED
                for p in (getattr(getattr(layer, block), n) for n in names))
 
@@ -140,10 +144,9 @@ def fuse(model: nn.Module) -> bool:
     ``supports`` holds and the layers are plain ``nn.Linear`` without bias; returns whether it fused (or had)."""
     if not _fusable(model):
         return False
-    layers = list(model.base_model.layers)
-    if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
+    if _is_fused(model):
         return True
-    for layer in layers:
+    for layer in model.base_model.layers:
         for block, fused_name, names in FUSED:
             owner = getattr(layer, block)
             parts = [getattr(owner, n) for n in names]
