@@ -1085,3 +1085,18 @@ def test_the_default_mode_is_the_one_measured_faster_here(monkeypatch, tmp_path)
     demo = app.build_app(fresh)
     radios = [b for b in demo.blocks.values() if type(b).__name__ == "Radio" and b.label.startswith("Mode")]
     assert len(radios) == 2 and all(r.value == "fast" and r.info == f"default here: fast, {why}" for r in radios)
+
+
+def test_a_run_hands_its_freed_memory_back_when_it_ends(monkeypatch):
+    """``Handlers._stoppable`` releases the heap's free pages once the run is over (and only then), also when the run
+    fails; the memory test (test_app_many_users) measures the RSS this keeps steady."""
+    released = []
+    monkeypatch.setattr(app, "release_freed_memory", lambda: released.append(True) or True)
+    handlers = app.Handlers(ModelCache(), TREES)
+    request = SimpleNamespace(session_hash="s1")
+    with handlers._stoppable(request, object()):
+        assert released == [] and "s1" in handlers.running
+    assert released == [True] and "s1" not in handlers.running
+    with pytest.raises(RuntimeError), handlers._stoppable(request, object()):
+        raise RuntimeError("the run failed")
+    assert released == [True, True]

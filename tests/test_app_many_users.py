@@ -334,8 +334,10 @@ def process_rss_mb(pid: int) -> float:
 # dropped); after it, 20 sessions x 10 one-token runs grew 0.18 MB a run over all 200, the growth front-loaded (the
 # heap's warm-up: +0.02 MB a run over the last 140); with malloc's arenas limited and page loads no longer copying
 # the models (ui.gradio_fix.CopiedAsItself), see docs/app.md. CI's short form (2 measured rounds) falls in the
-# heap's warm-up: its bound stays 1.5 MB a run. By hand, the full size: TR_MEMORY_SESSIONS=20
-# TR_MEMORY_ROUNDS=10.
+# heap's warm-up: its bound stays 1.5 MB a run. Until each run handed its freed memory back (app.Handlers._stoppable),
+# glibc's heap kept tens of MB more or less from one run to the next, and the short form read -0.41 to +2.28 MB a run
+# (one CI failure); with it, +0.27 to +0.29 over 3 short runs and +0.17 over 80 runs (10 sessions). By hand, the
+# issue's full size: TR_MEMORY_SESSIONS=20 TR_MEMORY_ROUNDS=10.
 MB_PER_RUN = 1.5
 SESSIONS = int(os.environ.get("TR_MEMORY_SESSIONS", "10"))  # 20 at the full size, by hand
 
