@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from conftest import reference_greedy, tiny_model
@@ -327,3 +329,39 @@ def test_the_format_is_chosen_on_the_row_counts_a_cpu_decodes_with():
     assert choose_format(t, {"8x8": 1}, ("fp16", "bf16"), LAYOUTS)[0] == "fp16"
     t.update({("8x8", r, "bf16-linear"): 0.9 * r for r in (1, 2, 4, 8, 12, 16, 32, 81)})
     assert choose_format(t, {"8x8": 1}, ("fp16", "bf16"), LAYOUTS)[0] == "bf16"
+
+
+def _mapped_from(path, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a mapping of the file ``path`` (/proc/self/maps)."""
+    start, name = tensor.untyped_storage().data_ptr(), str(path)
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= start < high:
+            return len(fields) >= 6 and fields[5] == name
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_a_prepared_model_keeps_no_weight_in_the_mapped_file(tiny_folder):
+    """transformers reads safetensors weights as views of the file mapped into memory; prepare_model copies them first,
+    so the pages it reads there do not stay in the process's memory beside the copies it makes (the fused projections,
+    packed weights). Ties are kept."""
+    from tr_core.models import load_model
+
+    folder = tiny_folder[0]
+    model, _ = load_model(str(folder))
+    file = (folder / "model.safetensors").resolve()
+    mapped = [name for name, p in model.named_parameters() if _mapped_from(file, p)]
+    assert mapped, "the control: the loaded weights are views of the mapped file"
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kernels.own_weights(model)
+    assert not [name for name, p in model.named_parameters() if _mapped_from(file, p)]
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    assert all(torch.equal(p, values[name]) for name, p in model.named_parameters())
+    model, _ = load_model(str(folder))
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    t = {(s, r, "linear"): 1.0 for s in counts for r in (1, 2, 4, 8)}
+    prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear",)))
+    assert not [name for name, p in model.named_parameters() if _mapped_from(file, p)]
