@@ -264,8 +264,10 @@ def test_measuring_times_every_shape_row_count_and_layout():
     assert all(ms > 0 for ms in t.values())
 
 
-@needs_fbgemm
-def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy():
+@pytest.mark.parametrize("name", ["fp16w", "fp16n"])
+def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy(name):
+    if name not in available_layouts():
+        pytest.skip(f"{name} does not run here")
     from tr_core.decoding import run
     from tr_core.drafters import PlainDrafter, RecyclingDrafter
     from tr_core.matrix import AdjacencyMatrix
@@ -273,7 +275,7 @@ def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy():
     from tr_core.tree import load_template
     model = tiny_model("llama", dtype=torch.float32)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
-    plan = make_plan("fast", {(s, r, "fp16w"): 1.0 for s in counts for r in (1, 4)}, counts, ("fp16w",))
+    plan = make_plan("fast", {(s, r, name): 1.0 for s in counts for r in (1, 4)}, counts, (name,))
     w16 = model.get_output_embeddings().weight.detach().half().float()
     prompt = [3, 17, 42, 8, 99, 5]
     prepare_model(model, "fast", plan=plan)

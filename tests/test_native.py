@@ -176,3 +176,62 @@ def test_the_lean_forward_on_native_calls_equals_it_on_torch_operations(monkeypa
     for a, b, c in zip(with_native, on_dynamic, on_torch):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def _cpu_has_avx512_for_linear() -> bool:
+    try:
+        flags = set(native._cpu_flags().split())
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags
+
+
+@needs_compiler
+@pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the fp16 linear needs AVX-512 F/BW/VL")
+@pytest.mark.parametrize("out_features, in_features", [(80, 48), (7, 37), (3, 1000), (129, 16)])
+def test_the_fp16_linear_computes_its_product_and_each_row_alone_whatever_the_rows(out_features, in_features):
+    """``tr_linear_f16`` (the "fp16n" layout) against the product of the fp16-rounded weights, with tails in rows,
+    outputs and 16-wide chunks; every row's bits equal at every row count and thread count, also with cancelling
+    sums (where a different order of additions shows)."""
+    from tr_core.speed.layouts import LAYOUTS, available_layouts
+    library_here()
+    assert native.linear_f16() is not None and "fp16n" in available_layouts()
+    layout = LAYOUTS["fp16n"]
+    g = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    packed = layout.pack(weight)
+    assert packed.tiles.dtype == torch.float16 and (packed.out_features, packed.in_features) == weight.shape
+    x = torch.randn(81, in_features, generator=g)
+    x[:, ::2] *= 1e4  # large terms that cancel in part: the rounding depends on the order of the sum
+    full = layout.run(x, packed)
+    assert full.shape == (81, out_features)
+    product = x.double() @ weight.half().double().t()
+    torch.testing.assert_close(full.double(), product, rtol=1e-5, atol=1e-5 * x.abs().max().item())
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 4, 5, 8, 16, 33):
+                for start in (0, 81 - rows):
+                    assert torch.equal(layout.run(x[start:start + rows].contiguous(), packed),
+                                       full[start:start + rows]), (rows, start, count)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError):
+        layout.run(x.double(), packed)
+    with pytest.raises(ValueError):
+        layout.run(x[:, :-1].contiguous(), packed)
+    with pytest.raises(ValueError):  # tiles that do not hold the weight's shape
+        layout.run(x, type(packed)(packed.tiles[:-1], out_features, in_features))
+
+
+@needs_compiler
+def test_the_fp16_linear_is_absent_without_the_library(rebuilt, monkeypatch):
+    """TR_NATIVE=0: no native linear, and the kernel cache is keyed apart (a plan measured with it is not taken)."""
+    from tr_core.speed import layouts
+    model = tiny_model("llama", dtype=torch.float32)
+    with_native = layouts.cache_key(model, "fast")
+    monkeypatch.setenv("TR_NATIVE", "0")
+    native.library.cache_clear()
+    assert native.linear_f16() is None
+    assert layouts.cache_key(model, "fast") != with_native and layouts.cache_key(model, "fast").endswith("-torch")

@@ -198,10 +198,17 @@ def interpolate(curve: dict[int, float], n: int) -> float:
 
 def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> str:
     """The kernel table of ``mode`` for ``model`` (fp32, unprepared), as text: per shape and row count the chosen
-    layout and every candidate's time (ms of one call, this machine), then each format's linear time of a step."""
+    layout and every candidate's time (ms of one call, this machine), then each format's linear time of a step. The
+    shapes are those ``prepare_model`` measures: the fused projections where ``lean.fuse`` applies."""
+    import copy
+
     from .kernels import LAYOUTS
     from .layouts import kernel_plan
+    from .lean import fuse, fused_shapes
 
+    if fused_shapes(model):
+        model = copy.deepcopy(model)
+        fuse(model)
     plan = kernel_plan(model, mode, remeasure=remeasure)
     lines = [f"{mode}: format {plan.fmt} ({plan.source}; {torch.get_num_threads()} threads, {cpu_name()})"]
     for shape, by_rows in plan.layouts.items():

@@ -171,3 +171,95 @@ void tr_attention_out(const float *shared, int padded, const float *window_out, 
             }
         }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* A linear layer with fp16 weights: y (n, out) = x (n, in) @ w^T, x and y fp32. The weights come in tiles of TILE
+ * outputs (layouts.py's pack): tile t holds, input after input, the fp16 weights of outputs TILE*t..TILE*t+TILE-1
+ * (zeros past out), so each tile is read front to back, one stream the prefetcher follows.
+ *
+ * Each output y[r][o] is one sum whatever the call: x[r][0] * w[o][0], then + x[r][i] * w[o][i] for i in order, each
+ * step one fused multiply-add (explicit, so the same on every compiler). Rows are computed 12, 8, 4, 3, 2 or 1 at a
+ * time against a tile (one conversion of its weights to fp32 serves them all); how many changes which sums run side
+ * by side, never how one is computed, so a row's bits do not depend on how many rows the call has. Tiles are shared
+ * among `threads` OpenMP threads (torch's own runtime, which the library finds loaded). For one row the weights'
+ * reading is the whole cost; for many, the multiply-adds. */
+#define TILE 32
+
+#define ROW_ZERO(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
+#define ROW_FMA(r)                                                                                                 \
+    {                                                                                                              \
+        __m512 xb = _mm512_set1_ps(x[(int64_t)(r) * in + i]);                                                     \
+        a##r##0 = _mm512_fmadd_ps(xb, w0, a##r##0);                                                                \
+        a##r##1 = _mm512_fmadd_ps(xb, w1, a##r##1);                                                                \
+    }
+#define ROW_STORE(r)                                                                                               \
+    {                                                                                                              \
+        float *yr = y + (int64_t)(r) * out + o0;                                                                   \
+        if (o0 + TILE <= out) {                                                                                    \
+            _mm512_storeu_ps(yr, a##r##0);                                                                         \
+            _mm512_storeu_ps(yr + 16, a##r##1);                                                                    \
+        } else {                                                                                                   \
+            float part[TILE];                                                                                      \
+            _mm512_storeu_ps(part, a##r##0);                                                                       \
+            _mm512_storeu_ps(part + 16, a##r##1);                                                                  \
+            for (int j = 0; o0 + j < out; j++) yr[j] = part[j];                                                    \
+        }                                                                                                          \
+    }
+/* A kernel for R rows: each row's accumulators are variables of their own (gcc keeps arrays of vectors in memory). */
+#define LINEAR_ROWS(R, EACH)                                                                                       \
+static void linear_rows_##R(const float *x, const uint16_t *tile, int in, int out, float *y, int o0) {           \
+    EACH(ROW_ZERO)                                                                                                 \
+    for (int i = 0; i < in; i++) {                                                                                 \
+        __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (int64_t)i * TILE)));             \
+        __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (int64_t)i * TILE + 16)));        \
+        EACH(ROW_FMA)                                                                                              \
+    }                                                                                                              \
+    EACH(ROW_STORE)                                                                                                \
+}
+#define ROWS_1(F) F(0)
+#define ROWS_2(F) ROWS_1(F) F(1)
+#define ROWS_3(F) ROWS_2(F) F(2)
+#define ROWS_4(F) ROWS_3(F) F(3)
+#define ROWS_8(F) ROWS_4(F) F(4) F(5) F(6) F(7)
+#define ROWS_12(F) ROWS_8(F) F(8) F(9) F(10) F(11)
+LINEAR_ROWS(1, ROWS_1)
+LINEAR_ROWS(2, ROWS_2)
+LINEAR_ROWS(3, ROWS_3)
+LINEAR_ROWS(4, ROWS_4)
+LINEAR_ROWS(8, ROWS_8)
+LINEAR_ROWS(12, ROWS_12)
+
+/* Rows r0..r0+rows-1 (rows one of 1, 2, 3, 4, 8, 12) against a tile. */
+static void linear_rows(int rows, const float *x, const uint16_t *tile, int r0, int in, int out, float *y, int o0) {
+    const float *xr = x + (int64_t)r0 * in;
+    float *yr = y + (int64_t)r0 * out;
+    switch (rows) {
+        case 12: linear_rows_12(xr, tile, in, out, yr, o0); break;
+        case 8: linear_rows_8(xr, tile, in, out, yr, o0); break;
+        case 4: linear_rows_4(xr, tile, in, out, yr, o0); break;
+        case 3: linear_rows_3(xr, tile, in, out, yr, o0); break;
+        case 2: linear_rows_2(xr, tile, in, out, yr, o0); break;
+        case 1: linear_rows_1(xr, tile, in, out, yr, o0); break;
+    }
+}
+
+void tr_linear_f16(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
+    int count = (out + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < count; t++) {
+        const uint16_t *tile = tiles + (int64_t)t * in * TILE;
+        int o0 = t * TILE, r = 0;
+        for (; n - r >= 12; r += 12) linear_rows(12, x, tile, r, in, out, y, o0);
+        if (n - r >= 8) {  /* the last 0 to 11 rows in at most two calls */
+            linear_rows(8, x, tile, r, in, out, y, o0);
+            r += 8;
+        } else if (n - r >= 4) {
+            linear_rows(4, x, tile, r, in, out, y, o0);
+            r += 4;
+        }
+        if (n > r) linear_rows(n - r, x, tile, r, in, out, y, o0);
+    }
+}
+#endif

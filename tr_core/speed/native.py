@@ -29,6 +29,9 @@ SOURCE = Path(__file__).with_name("native.c")
 # alike, and gcc in GNU mode or clang would contract)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC",
          "-std=c11"]
+# the linear layer's threads: OpenMP, which binds to the runtime torch has loaded (libgomp.so.1, one pool of threads
+# for both); a compiler without it builds the library single-threaded
+OPENMP = "-fopenmp"
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "tr_add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
@@ -37,9 +40,11 @@ SIGNATURES = {
     "tr_softmax_window": [_P, _I, _L, _L, _P, _P, _I, _I, _I, _P, _P, _P, _L, _I, _P],
     "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
 }
+# built only where the CPU has them (AVX-512 F, BW and VL): fp16-weight linear layers (layouts.py's "fp16n")
+OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I]}
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
-_SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS)).encode()).hexdigest()[:8]
+_SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).encode()).hexdigest()[:8]
 
 
 def cache_dir() -> Path:
@@ -66,15 +71,18 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: list[str]) -> Path:
-    key = hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + _target(compiler)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP + _target(compiler)).encode()).hexdigest()[:16]
     target = cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then renamed: safe for parallel builds
         built = Path(tmp) / "native.so"
-        done = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                              text=True, timeout=120)
+        for extra in ([OPENMP], []):  # without OpenMP where the compiler has none
+            done = subprocess.run([*compiler, *FLAGS, *extra, str(SOURCE), "-o", str(built), "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+            if not done.returncode:
+                break
         if done.returncode:
             raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()[-300:]}")
         os.replace(built, target)
@@ -114,10 +122,20 @@ def library():
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    for name, args in OPTIONAL.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, None
     if not _self_check(lib):
         _WHY.append("its self-check against torch failed")
         return None
     return lib
+
+
+def linear_f16():
+    """The C fp16-weight linear layer (``tr_linear_f16``), or None where the library or the CPU lacks it."""
+    lib = library()
+    return getattr(lib, "tr_linear_f16", None) if lib is not None and hasattr(lib, "tr_linear_f16") else None
 
 
 def tag() -> str:
@@ -131,8 +149,8 @@ def status() -> str:
 
 
 def _self_check(lib) -> bool:
-    """The RMS norm, SiLU and rotary embedding against torch's, to float tolerance (a miscompiled library fails
-    here, not in a step; the attention's calls are checked against torch's SDPA by the test suite)."""
+    """The RMS norm, SiLU, rotary embedding and fp16 linear against torch's, to float tolerance (a miscompiled
+    library fails here, not in a step; the attention's calls are checked against torch's SDPA by the test suite)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
     out = torch.empty_like(x)
@@ -147,5 +165,12 @@ def _self_check(lib) -> bool:
     lib.tr_rope_store(q.data_ptr(), q.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2, 1, 1, 8, 1.0,
                       queries.data_ptr(), 2, keys.data_ptr(), values.data_ptr(), 16, 0)
     close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-5)
+    linear = True
+    if hasattr(lib, "tr_linear_f16"):  # a ragged shape: tails of rows, outputs and the 16-wide chunks
+        from .layouts import _fp16_native_pack
+        xs, ws = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g)
+        ys, tiles = torch.empty(6, 7), _fp16_native_pack(ws).tiles
+        lib.tr_linear_f16(xs.data_ptr(), tiles.data_ptr(), 6, 37, 7, ys.data_ptr(), torch.get_num_threads())
+        linear = close(ys, xs @ ws.half().float().t())
     return bool(close(out, ref) and close(gate, ref_silu) and close(queries[0], ref_q) and close(keys[0], ref_q)
-                and torch.equal(values[0], q))
+                and torch.equal(values[0], q) and linear)
