@@ -275,13 +275,15 @@ def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy(name):
     from tr_core.tree import load_template
     model = tiny_model("llama", dtype=torch.float32)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
-    plan = make_plan("fast", {(s, r, name): 1.0 for s in counts for r in (1, 4)}, counts, (name,))
+    plan = make_plan("fast", {(s, r, name): 1.0 for s in counts for r in (1, 4, 8)}, counts, (name,),
+                     invariant={s: [name] for s in counts})  # one layout at every row count
     w16 = model.get_output_embeddings().weight.detach().half().float()
     prompt = [3, 17, 42, 8, 99, 5]
     prepare_model(model, "fast", plan=plan)
     assert plan.fmt == "fp16" and has_fp16_weights(model) and kernels.half_precision(model) == "fp16"
     layer = model.base_model.layers[0].mlp.up_proj
     assert isinstance(layer, ChosenLinear) and layer.weight is None  # the fp32 weight is not kept
+    assert layer.layouts == [name]
     hidden = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(OutputHead(model)(hidden), hidden @ w16.t(), rtol=1e-5, atol=1e-5)
     x = torch.randn(8, layer.in_features)  # a row computes the same alone and in a batch, to float rounding
@@ -367,3 +369,22 @@ def test_a_prepared_model_keeps_no_weight_in_the_mapped_file(tiny_folder):
     t = {(s, r, "linear"): 1.0 for s in counts for r in (1, 2, 4, 8)}
     prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear",)))
     assert not [name for name, p in model.named_parameters() if _mapped_from(file, p)]
+
+
+def test_a_cached_plan_keeps_only_the_layouts_that_run_here(tmp_path, monkeypatch):
+    """A cache folder copied from another machine (same CPU name, say a VM without AVX-512) may name a layout that
+    does not run here: the plan read from it leaves that layout out, whatever its timings."""
+    import json
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny_model("llama", dtype=torch.float32)
+    shapes = list(linear_shapes(model))
+    path = layouts.cache_path(model, "exact")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    timings = [[s, r, name, ms] for s in shapes for r in layouts.ROW_COUNTS
+               for name, ms in (("linear", 2.0), ("gone", 1.0))]
+    path.write_text(json.dumps({"available": ["linear", "gone"], "invariant": {s: ["linear", "gone"] for s in shapes},
+                                "timings": timings}))
+    plan = layouts.kernel_plan(model, "exact")
+    assert plan.source == "cached"
+    assert {name for by in plan.layouts.values() for name in by.values()} == {"linear"}

@@ -27,10 +27,17 @@ def library_here():
 @pytest.fixture
 def rebuilt(monkeypatch, tmp_path):
     """``native.library`` built afresh into an empty cache folder (and its process-wide copy restored after)."""
+    from tr_core.speed import layouts
+
+    def forget():  # the library, and what the layouts found of it
+        native.library.cache_clear()
+        layouts.available_layouts.cache_clear()
+        layouts._native_linear.clear()
+
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native.library.cache_clear()
+    forget()
     yield tmp_path
-    native.library.cache_clear()
+    forget()
 
 
 @needs_compiler
@@ -187,31 +194,33 @@ def _cpu_has_avx512_for_linear() -> bool:
 
 
 @needs_compiler
-@pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the fp16 linear needs AVX-512 F/BW/VL")
+@pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
+@pytest.mark.parametrize("name, dtype", [("fp16n", torch.float16), ("native", torch.float32)])
 @pytest.mark.parametrize("out_features, in_features", [(80, 48), (7, 37), (3, 1000), (129, 16)])
-def test_the_fp16_linear_computes_its_product_and_each_row_alone_whatever_the_rows(out_features, in_features):
-    """``tr_linear_f16`` (the "fp16n" layout) against the product of the fp16-rounded weights, with tails in rows,
-    outputs and 16-wide chunks; every row's bits equal at every row count and thread count, also with cancelling
-    sums (where a different order of additions shows)."""
+def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(name, dtype, out_features,
+                                                                                 in_features):
+    """native.c's linear layers (the "fp16n" and "native" layouts) against the product of the (rounded) weights, with
+    tails in rows and outputs; every row's bits equal at every row count and thread count, also with cancelling sums
+    (where a different order of additions shows)."""
     from tr_core.speed.layouts import LAYOUTS, available_layouts
     library_here()
-    assert native.linear_f16() is not None and "fp16n" in available_layouts()
-    layout = LAYOUTS["fp16n"]
+    assert native.linear(dtype) is not None and name in available_layouts()
+    layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(in_features)
     weight = torch.randn(out_features, in_features, generator=g)
     packed = layout.pack(weight)
-    assert packed.tiles.dtype == torch.float16 and (packed.out_features, packed.in_features) == weight.shape
+    assert packed.tiles.dtype == dtype and (packed.out_features, packed.in_features) == weight.shape
     x = torch.randn(81, in_features, generator=g)
     x[:, ::2] *= 1e4  # large terms that cancel in part: the rounding depends on the order of the sum
     full = layout.run(x, packed)
     assert full.shape == (81, out_features)
-    product = x.double() @ weight.half().double().t()
+    product = x.double() @ weight.to(dtype).double().t()
     torch.testing.assert_close(full.double(), product, rtol=1e-5, atol=1e-5 * x.abs().max().item())
     threads = torch.get_num_threads()
     try:
         for count in (1, threads):
             torch.set_num_threads(count)
-            for rows in (1, 2, 3, 4, 5, 8, 16, 33):
+            for rows in (1, 2, 3, 4, 5, 8, 11, 12, 13, 16, 33):
                 for start in (0, 81 - rows):
                     assert torch.equal(layout.run(x[start:start + rows].contiguous(), packed),
                                        full[start:start + rows]), (rows, start, count)
@@ -226,12 +235,13 @@ def test_the_fp16_linear_computes_its_product_and_each_row_alone_whatever_the_ro
 
 
 @needs_compiler
-def test_the_fp16_linear_is_absent_without_the_library(rebuilt, monkeypatch):
+def test_the_c_linear_is_absent_without_the_library(rebuilt, monkeypatch):
     """TR_NATIVE=0: no native linear, and the kernel cache is keyed apart (a plan measured with it is not taken)."""
     from tr_core.speed import layouts
     model = tiny_model("llama", dtype=torch.float32)
     with_native = layouts.cache_key(model, "fast")
     monkeypatch.setenv("TR_NATIVE", "0")
     native.library.cache_clear()
-    assert native.linear_f16() is None
-    assert layouts.cache_key(model, "fast") != with_native and layouts.cache_key(model, "fast").endswith("-torch")
+    assert native.linear(torch.float16) is None and native.linear(torch.float32) is None
+    assert layouts.cache_key(model, "fast") != with_native and "-torch-" in layouts.cache_key(model, "fast")
+    assert not {"fp16n", "native"} & set(layouts.available_layouts())

@@ -89,50 +89,57 @@ def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 _fp16_op = None  # the C++ operator of fbgemm's fp16-weight linear, found on first use
 
 
-FP16_TILE = 32  # native.c's tr_linear_f16: the outputs of one tile
+TILE = 32  # native.c's tr_linear_f16 and tr_linear_f32: the outputs of one tile
 
 
 @dataclass(frozen=True)
-class Fp16Tiles:
-    """A weight (out, in) as ``tr_linear_f16`` reads it: fp16, in tiles of 32 outputs, each tile input by input (the
-    32 outputs' weights of input 0, then of input 1, ...; zeros past ``out``), so the weights are read front to
-    back."""
-    tiles: torch.Tensor  # (ceil(out / 32), in, 32) fp16, contiguous
+class WeightTiles:
+    """A weight (out, in) as native.c's linear layers read it: fp16 (``tr_linear_f16``) or fp32 (``tr_linear_f32``),
+    in tiles of 32 outputs, each tile input by input (the 32 outputs' weights of input 0, then of input 1, ...; zeros
+    past ``out``), so the weights are read front to back."""
+    tiles: torch.Tensor  # (ceil(out / 32), in, 32), contiguous
     out_features: int
     in_features: int
 
 
-def _fp16_native_pack(w: torch.Tensor) -> Fp16Tiles:
+def _tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
     out, inp = w.shape
-    padded = torch.zeros(-(-out // FP16_TILE) * FP16_TILE, inp, dtype=torch.float16)
-    padded[:out] = w
-    tiles = padded.view(-1, FP16_TILE, inp).transpose(1, 2).contiguous()
-    return Fp16Tiles(tiles, out, inp)
+    padded = torch.zeros(-(-out // TILE) * TILE, inp, dtype=dtype)
+    fp16 = torch.finfo(torch.float16).max  # as fbgemm's packing does: a weight beyond fp16's range saturates
+    padded[:out] = w.clamp(-fp16, fp16) if dtype == torch.float16 else w
+    return WeightTiles(padded.view(-1, TILE, inp).transpose(1, 2).contiguous(), out, inp)
 
 
-def _linear_fp16_native(x: torch.Tensor, packed: Fp16Tiles) -> torch.Tensor:
-    # native.c's tr_linear_f16: every output one sum in a fixed order, whatever the row count (row-invariant by
-    # construction; ``row_invariant`` checks it like any other layout's)
-    global _fp16_native
-    if _fp16_native is None:
-        from . import native
-        _fp16_native = native.linear_f16() or False
-    if not _fp16_native:
-        raise RuntimeError("native fp16 linear not built here (needs AVX-512 F/BW/VL and a C compiler)")
-    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != packed.in_features:
-        raise ValueError(f"native fp16 linear takes contiguous fp32 (rows, {packed.in_features}), not "
-                         f"{x.dtype} {tuple(x.shape)}")
+def _fp16_tiles(w: torch.Tensor) -> WeightTiles:
+    return _tiles(w, torch.float16)
+
+
+def _fp32_tiles(w: torch.Tensor) -> WeightTiles:
+    return _tiles(w, torch.float32)
+
+
+def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
+    # native.c's tr_linear_f16 / tr_linear_f32: every output one sum in a fixed order, whatever the row count
+    # (row-invariant by construction; ``row_invariant`` checks it like any other layout's)
     tiles = packed.tiles
-    if tiles.dtype != torch.float16 or not tiles.is_contiguous() or tuple(tiles.shape) != (
-            -(-packed.out_features // FP16_TILE), packed.in_features, FP16_TILE):
+    if not _native_linear:
+        from . import native
+        _native_linear.update({dtype: native.linear(dtype) for dtype in (torch.float16, torch.float32)})
+    run = _native_linear.get(tiles.dtype)
+    if run is None:
+        raise RuntimeError(f"native {tiles.dtype} linear not built here (needs AVX-512 F/BW/VL and a C compiler)")
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != packed.in_features:
+        raise ValueError(f"native linear takes contiguous fp32 (rows, {packed.in_features}), not "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if not tiles.is_contiguous() or tuple(tiles.shape) != (-(-packed.out_features // TILE), packed.in_features, TILE):
         raise ValueError(f"not tiles of a ({packed.out_features}, {packed.in_features}) weight: {tuple(tiles.shape)}")
-    y = torch.empty(x.shape[0], packed.out_features)
-    _fp16_native(x.data_ptr(), tiles.data_ptr(), x.shape[0], x.shape[1], packed.out_features, y.data_ptr(),
-                 torch.get_num_threads())
+    y = torch.empty(x.shape[0], packed.out_features, dtype=torch.float32)
+    run(x.data_ptr(), tiles.data_ptr(), x.shape[0], x.shape[1], packed.out_features, y.data_ptr(),
+        torch.get_num_threads())
     return y
 
 
-_fp16_native = None  # native.linear_f16(), found on first use (False: not here)
+_native_linear: dict = {}  # weight dtype -> native.linear(dtype), found on first use (None: not here)
 
 
 def _same(w: torch.Tensor) -> torch.Tensor:
@@ -193,9 +200,11 @@ def _layouts() -> dict[str, Layout]:
         out[prefix + "onednn"] = Layout(prefix + "onednn", fmt, f"{note}oneDNN prepacked", _onednn_pack, _onednn,
                                         True)
         if fmt == "fp32":
+            out["native"] = Layout("native", "fp32", "C built for this CPU (tiles)", _fp32_tiles, _linear_native, True)
+        if fmt == "fp32":
             out["fp16w"] = Layout("fp16w", "fp16", "fbgemm fp16 weights", _fp16_pack, _linear_fp16, True)
-            out["fp16n"] = Layout("fp16n", "fp16", "fp16 weights, C built for this CPU", _fp16_native_pack,
-                                  _linear_fp16_native, True)
+            out["fp16n"] = Layout("fp16n", "fp16", "fp16 weights, C built for this CPU", _fp16_tiles, _linear_native,
+                                  True)
     return out
 
 
@@ -645,14 +654,15 @@ def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available:
 def cache_key(model: nn.Module, mode: str) -> str:
     """What the timings depend on: the model (name and linear shapes), its dtype, the mode's candidates, the CPU,
     the thread count, the torch build and the native library (its source's digest, or "torch" where it is not
-    built: the "fp16n" layout comes and goes with it)."""
+    built, and which of its linear layers: the "fp16n" and "native" layouts come and go with them). A cached plan
+    also keeps only the layouts that run in this process."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
     shapes = "_".join(f"{s}x{len(ls)}" if s != HEAD else f"h{ls[0].out_features}"
                       for s, ls in sorted(linear_shapes(model).items()))
     dtype = str(model.get_output_embeddings().weight.dtype).removeprefix("torch.")
     from . import native
-    raw = (f"{source_digest(sys.modules[__name__])}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}"
-           f"-t{torch.get_num_threads()}-torch{torch.__version__}-{native.tag()}")
+    raw = (f"{source_digest(sys.modules[__name__])}-{native.tag()}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}"
+           f"-t{torch.get_num_threads()}-torch{torch.__version__}")
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)[:240]
 
 
@@ -670,9 +680,11 @@ def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     path = cache_path(model, mode)
     if use_cache_file and not remeasure and path.is_file():
         data = json.loads(path.read_text())
-        timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"]}
-        return make_plan(mode, timings, counts, data["available"], source="cached", invariant=data["invariant"],
-                         gain=gain)
+        here = set(layouts)  # a cache folder copied from another machine may name layouts that do not run here
+        timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"] if name in here}
+        invariant = {s: [f for f in families if base_layout(f) in here] for s, families in data["invariant"].items()}
+        return make_plan(mode, timings, counts, [n for n in data["available"] if n in here], source="cached",
+                         invariant=invariant, gain=gain)
     invariant = row_invariant(_shape_sizes(model), layouts)
     timings, busy = measure(model, layouts, report_busy=True, **measure_kw)
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms

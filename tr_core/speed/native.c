@@ -175,14 +175,14 @@ void tr_attention_out(const float *shared, int padded, const float *window_out, 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-/* A linear layer with fp16 weights: y (n, out) = x (n, in) @ w^T, x and y fp32. The weights come in tiles of TILE
- * outputs (layouts.py's pack): tile t holds, input after input, the fp16 weights of outputs TILE*t..TILE*t+TILE-1
- * (zeros past out), so each tile is read front to back, one stream the prefetcher follows.
+/* Linear layers: y (n, out) = x (n, in) @ w^T, x and y fp32, w fp16 (tr_linear_f16) or fp32 (tr_linear_f32). The
+ * weights come in tiles of TILE outputs (layouts.py's pack): tile t holds, input after input, the weights of outputs
+ * TILE*t..TILE*t+TILE-1 (zeros past out), so each tile is read front to back, one stream the prefetcher follows.
  *
  * Each output y[r][o] is one sum whatever the call: x[r][0] * w[o][0], then + x[r][i] * w[o][i] for i in order, each
  * step one fused multiply-add (explicit, so the same on every compiler). Rows are computed 12, 8, 4, 3, 2 or 1 at a
- * time against a tile (one conversion of its weights to fp32 serves them all); how many changes which sums run side
- * by side, never how one is computed, so a row's bits do not depend on how many rows the call has. Tiles are shared
+ * time against a tile (one load of its weights, as fp32, serves them all); how many changes which sums run side by
+ * side, never how one is computed, so a row's bits do not depend on how many rows the call has. Tiles are shared
  * among `threads` OpenMP threads (torch's own runtime, which the library finds loaded). For one row the weights'
  * reading is the whole cost; for many, the multiply-adds. */
 #define TILE 32
@@ -207,13 +207,15 @@ void tr_attention_out(const float *shared, int padded, const float *window_out, 
             for (int j = 0; o0 + j < out; j++) yr[j] = part[j];                                                    \
         }                                                                                                          \
     }
+/* Input i's 16 weights at p, as fp32: from fp16, or as they are. */
+#define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define LOAD_F32(p) _mm512_loadu_ps(p)
 /* A kernel for R rows: each row's accumulators are variables of their own (gcc keeps arrays of vectors in memory). */
-#define LINEAR_ROWS(R, EACH)                                                                                       \
-static void linear_rows_##R(const float *x, const uint16_t *tile, int in, int out, float *y, int o0) {           \
+#define LINEAR_ROWS(NAME, WEIGHT, LOAD, R, EACH)                                                                   \
+static void NAME##_##R(const float *x, const WEIGHT *tile, int in, int out, float *y, int o0) {                  \
     EACH(ROW_ZERO)                                                                                                 \
     for (int i = 0; i < in; i++) {                                                                                 \
-        __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (int64_t)i * TILE)));             \
-        __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + (int64_t)i * TILE + 16)));        \
+        __m512 w0 = LOAD(tile + (int64_t)i * TILE), w1 = LOAD(tile + (int64_t)i * TILE + 16);                     \
         EACH(ROW_FMA)                                                                                              \
     }                                                                                                              \
     EACH(ROW_STORE)                                                                                                \
@@ -224,42 +226,45 @@ static void linear_rows_##R(const float *x, const uint16_t *tile, int in, int ou
 #define ROWS_4(F) ROWS_3(F) F(3)
 #define ROWS_8(F) ROWS_4(F) F(4) F(5) F(6) F(7)
 #define ROWS_12(F) ROWS_8(F) F(8) F(9) F(10) F(11)
-LINEAR_ROWS(1, ROWS_1)
-LINEAR_ROWS(2, ROWS_2)
-LINEAR_ROWS(3, ROWS_3)
-LINEAR_ROWS(4, ROWS_4)
-LINEAR_ROWS(8, ROWS_8)
-LINEAR_ROWS(12, ROWS_12)
-
-/* Rows r0..r0+rows-1 (rows one of 1, 2, 3, 4, 8, 12) against a tile. */
-static void linear_rows(int rows, const float *x, const uint16_t *tile, int r0, int in, int out, float *y, int o0) {
-    const float *xr = x + (int64_t)r0 * in;
-    float *yr = y + (int64_t)r0 * out;
-    switch (rows) {
-        case 12: linear_rows_12(xr, tile, in, out, yr, o0); break;
-        case 8: linear_rows_8(xr, tile, in, out, yr, o0); break;
-        case 4: linear_rows_4(xr, tile, in, out, yr, o0); break;
-        case 3: linear_rows_3(xr, tile, in, out, yr, o0); break;
-        case 2: linear_rows_2(xr, tile, in, out, yr, o0); break;
-        case 1: linear_rows_1(xr, tile, in, out, yr, o0); break;
-    }
+/* The kernels for 1, 2, 3, 4, 8 and 12 rows of one weight type; then all rows of a call (12 at a time, the last 0
+ * to 11 in at most two calls), its tiles shared among the threads. */
+#define LINEAR(NAME, WEIGHT, LOAD)                                                                                 \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 1, ROWS_1)                                                                         \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 2, ROWS_2)                                                                         \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 3, ROWS_3)                                                                         \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 4, ROWS_4)                                                                         \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 8, ROWS_8)                                                                         \
+LINEAR_ROWS(NAME, WEIGHT, LOAD, 12, ROWS_12)                                                                       \
+static void NAME##_rows(int rows, const float *x, const WEIGHT *tile, int r0, int in, int out, float *y, int o0) {\
+    const float *xr = x + (int64_t)r0 * in;                                                                        \
+    float *yr = y + (int64_t)r0 * out;                                                                             \
+    switch (rows) {                                                                                                \
+        case 12: NAME##_12(xr, tile, in, out, yr, o0); break;                                                      \
+        case 8: NAME##_8(xr, tile, in, out, yr, o0); break;                                                        \
+        case 4: NAME##_4(xr, tile, in, out, yr, o0); break;                                                        \
+        case 3: NAME##_3(xr, tile, in, out, yr, o0); break;                                                        \
+        case 2: NAME##_2(xr, tile, in, out, yr, o0); break;                                                        \
+        case 1: NAME##_1(xr, tile, in, out, yr, o0); break;                                                        \
+    }                                                                                                              \
+}                                                                                                                  \
+void NAME(const float *x, const WEIGHT *tiles, int n, int in, int out, float *y, int threads) {                  \
+    int count = (out + TILE - 1) / TILE;                                                                           \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
+    for (int t = 0; t < count; t++) {                                                                              \
+        const WEIGHT *tile = tiles + (int64_t)t * in * TILE;                                                       \
+        int o0 = t * TILE, r = 0;                                                                                  \
+        for (; n - r >= 12; r += 12) NAME##_rows(12, x, tile, r, in, out, y, o0);                                 \
+        if (n - r >= 8) {                                                                                          \
+            NAME##_rows(8, x, tile, r, in, out, y, o0);                                                            \
+            r += 8;                                                                                                \
+        } else if (n - r >= 4) {                                                                                   \
+            NAME##_rows(4, x, tile, r, in, out, y, o0);                                                            \
+            r += 4;                                                                                                \
+        }                                                                                                          \
+        if (n > r) NAME##_rows(n - r, x, tile, r, in, out, y, o0);                                                 \
+    }                                                                                                              \
 }
 
-void tr_linear_f16(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
-    int count = (out + TILE - 1) / TILE;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < count; t++) {
-        const uint16_t *tile = tiles + (int64_t)t * in * TILE;
-        int o0 = t * TILE, r = 0;
-        for (; n - r >= 12; r += 12) linear_rows(12, x, tile, r, in, out, y, o0);
-        if (n - r >= 8) {  /* the last 0 to 11 rows in at most two calls */
-            linear_rows(8, x, tile, r, in, out, y, o0);
-            r += 8;
-        } else if (n - r >= 4) {
-            linear_rows(4, x, tile, r, in, out, y, o0);
-            r += 4;
-        }
-        if (n > r) linear_rows(n - r, x, tile, r, in, out, y, o0);
-    }
-}
+LINEAR(tr_linear_f16, uint16_t, LOAD_F16)
+LINEAR(tr_linear_f32, float, LOAD_F32)
 #endif

@@ -29,8 +29,9 @@ SOURCE = Path(__file__).with_name("native.c")
 # alike, and gcc in GNU mode or clang would contract)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC",
          "-std=c11"]
-# the linear layer's threads: OpenMP, which binds to the runtime torch has loaded (libgomp.so.1, one pool of threads
-# for both); a compiler without it builds the library single-threaded
+# the linear layers' threads: OpenMP. With gcc it binds to the runtime torch has loaded (both name libgomp.so.1: one
+# pool of threads for both); clang's -fopenmp links libomp, a second runtime beside torch's. A compiler without
+# OpenMP builds the library single-threaded.
 OPENMP = "-fopenmp"
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -40,8 +41,10 @@ SIGNATURES = {
     "tr_softmax_window": [_P, _I, _L, _L, _P, _P, _I, _I, _I, _P, _P, _P, _L, _I, _P],
     "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
 }
-# built only where the CPU has them (AVX-512 F, BW and VL): fp16-weight linear layers (layouts.py's "fp16n")
-OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I]}
+# built only where the CPU has them (AVX-512 F, BW and VL): linear layers, fp16 and fp32 weights (layouts.py's
+# "fp16n" and "native")
+OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P, _P, _I, _I, _I, _P, _I]}
+LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32"}  # by the weights' dtype
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
 _SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).encode()).hexdigest()[:8]
@@ -122,25 +125,34 @@ def library():
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    if not _self_check(lib):
+        _WHY.append("its self-check against torch failed")
+        return None
+    _OPTIONAL_HERE.clear()
     for name, args in OPTIONAL.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, None
-    if not _self_check(lib):
-        _WHY.append("its self-check against torch failed")
-        return None
+            if _optional_check(name, fn):  # one that fails its check is left out alone
+                _OPTIONAL_HERE[name] = fn
     return lib
 
 
-def linear_f16():
-    """The C fp16-weight linear layer (``tr_linear_f16``), or None where the library or the CPU lacks it."""
-    lib = library()
-    return getattr(lib, "tr_linear_f16", None) if lib is not None and hasattr(lib, "tr_linear_f16") else None
+_OPTIONAL_HERE: dict = {}  # the optional functions built here that passed their check (``library``)
+
+
+def linear(dtype: torch.dtype):
+    """The C linear layer for weights of ``dtype`` (fp16: ``tr_linear_f16``, fp32: ``tr_linear_f32``), or None where
+    the library or the CPU lacks it (or it failed its check)."""
+    return _OPTIONAL_HERE.get(LINEAR.get(dtype)) if library() is not None else None
 
 
 def tag() -> str:
-    """What the forward's small operations run on, for cache keys of timings: the C source's digest, or "torch"."""
-    return "torch" if library() is None else _SOURCE_TAG
+    """What the forward's small operations and the C linear layers run on, for cache keys of timings: the C source's
+    digest and the linear layers built here (a machine without AVX-512 has none), or "torch"."""
+    if library() is None:
+        return "torch"
+    return _SOURCE_TAG + "".join(n.removeprefix("tr_linear_") for n in sorted(_OPTIONAL_HERE))
 
 
 def status() -> str:
@@ -149,8 +161,9 @@ def status() -> str:
 
 
 def _self_check(lib) -> bool:
-    """The RMS norm, SiLU, rotary embedding and fp16 linear against torch's, to float tolerance (a miscompiled
-    library fails here, not in a step; the attention's calls are checked against torch's SDPA by the test suite)."""
+    """The RMS norm, SiLU and rotary embedding against torch's, to float tolerance (a miscompiled library fails here,
+    not in a step; the attention's calls are checked against torch's SDPA by the test suite, the linear layers by
+    ``_optional_check``)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
     out = torch.empty_like(x)
@@ -165,12 +178,16 @@ def _self_check(lib) -> bool:
     lib.tr_rope_store(q.data_ptr(), q.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2, 1, 1, 8, 1.0,
                       queries.data_ptr(), 2, keys.data_ptr(), values.data_ptr(), 16, 0)
     close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-5)
-    linear = True
-    if hasattr(lib, "tr_linear_f16"):  # a ragged shape: tails of rows, outputs and the 16-wide chunks
-        from .layouts import _fp16_native_pack
-        xs, ws = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g)
-        ys, tiles = torch.empty(6, 7), _fp16_native_pack(ws).tiles
-        lib.tr_linear_f16(xs.data_ptr(), tiles.data_ptr(), 6, 37, 7, ys.data_ptr(), torch.get_num_threads())
-        linear = close(ys, xs @ ws.half().float().t())
     return bool(close(out, ref) and close(gate, ref_silu) and close(queries[0], ref_q) and close(keys[0], ref_q)
-                and torch.equal(values[0], q) and linear)
+                and torch.equal(values[0], q))
+
+
+def _optional_check(name: str, fn) -> bool:
+    """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs)."""
+    dtype = next(d for d, n in LINEAR.items() if n == name)
+    from .layouts import _tiles
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g).to(dtype)
+    y, tiles = torch.empty(6, 7, dtype=torch.float32), _tiles(w, dtype).tiles
+    fn(x.data_ptr(), tiles.data_ptr(), 6, 37, 7, y.data_ptr(), torch.get_num_threads())
+    return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
