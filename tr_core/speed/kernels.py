@@ -258,8 +258,8 @@ def own_weights(model: nn.Module) -> None:
     once). transformers reads safetensors weights as views of the file mapped into memory, and pages of it that were
     read stay in the process's RSS for as long as any one weight lives there; ``prepare_model`` then replaces most
     weights (the fused projections, the fp16 format's packed copies), so the mapped originals were kept twice over:
-    measured here, the app with the embedded model in both modes took 2.61 GB after loading them with the mapping
-    kept, 1.95 GB with every weight copied first."""
+    measured here, a process holding the embedded model in both modes took 2.61 GB with the mapping kept, 1.95 GB
+    with every weight copied first (the app's own figures: docs/app.md, "Memory over time")."""
     with torch.no_grad():
         for param in model.parameters():  # each shared (tied) parameter once
             param.data = param.data.clone()
