@@ -200,11 +200,10 @@ def _layouts() -> dict[str, Layout]:
         out[prefix + "onednn"] = Layout(prefix + "onednn", fmt, f"{note}oneDNN prepacked", _onednn_pack, _onednn,
                                         True)
         if fmt == "fp32":
-            out["native"] = Layout("native", "fp32", "C built for this CPU (tiles)", _fp32_tiles, _linear_native, True)
-        if fmt == "fp32":
+            out["native"] = Layout("native", "fp32", "C kernel built for this CPU", _fp32_tiles, _linear_native, True)
             out["fp16w"] = Layout("fp16w", "fp16", "fbgemm fp16 weights", _fp16_pack, _linear_fp16, True)
-            out["fp16n"] = Layout("fp16n", "fp16", "fp16 weights, C built for this CPU", _fp16_tiles, _linear_native,
-                                  True)
+            out["fp16n"] = Layout("fp16n", "fp16", "fp16 weights, C kernel built for this CPU", _fp16_tiles,
+                                  _linear_native, True)
     return out
 
 

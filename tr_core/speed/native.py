@@ -5,7 +5,9 @@ embedding, the cache update, attention's masking and softmax), each a few micros
 arithmetic. ``native.c`` does each group of them in one call on raw fp32 buffers. It is compiled once per machine
 (``gcc -O3 -march=native``, so it uses this CPU's vector units) into the cache folder, keyed by its source, the
 compiler and the CPU; where there is no C compiler, or the build or its self-check fails, ``library()`` is None and
-the lean forward keeps its torch operations (``status()`` says why).
+the lean forward keeps its torch operations (``status()`` says why). Where the CPU has AVX-512, it also holds linear
+layers (fp32 and fp16 weights, ``linear``): candidates the kernel chooser measures beside torch's (layouts.py's
+"native" and "fp16n").
 """
 
 from __future__ import annotations
