@@ -102,7 +102,8 @@ class WeightTiles:
     in_features: int
 
 
-def _tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
+def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
+    """``w`` (out, in) packed for native.c's linear layer of ``dtype``."""
     out, inp = w.shape
     padded = torch.zeros(-(-out // TILE) * TILE, inp, dtype=dtype)
     fp16 = torch.finfo(torch.float16).max  # as fbgemm's packing does: a weight beyond fp16's range saturates
@@ -111,11 +112,11 @@ def _tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
 
 
 def _fp16_tiles(w: torch.Tensor) -> WeightTiles:
-    return _tiles(w, torch.float16)
+    return weight_tiles(w, torch.float16)
 
 
 def _fp32_tiles(w: torch.Tensor) -> WeightTiles:
-    return _tiles(w, torch.float32)
+    return weight_tiles(w, torch.float32)
 
 
 def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:

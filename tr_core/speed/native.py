@@ -187,9 +187,9 @@ def _self_check(lib) -> bool:
 def _optional_check(name: str, fn) -> bool:
     """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs)."""
     dtype = next(d for d, n in LINEAR.items() if n == name)
-    from .layouts import _tiles
+    from .layouts import weight_tiles
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g).to(dtype)
-    y, tiles = torch.empty(6, 7, dtype=torch.float32), _tiles(w, dtype).tiles
+    y, tiles = torch.empty(6, 7, dtype=torch.float32), weight_tiles(w, dtype).tiles
     fn(x.data_ptr(), tiles.data_ptr(), 6, 37, 7, y.data_ptr(), torch.get_num_threads())
     return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
