@@ -245,9 +245,9 @@ def prepare_model(model: nn.Module, mode: str, plan: KernelPlan | None = None) -
         return None
     from .lean import fuse, fused_shapes
 
-    own_weights(model)
     if plan is None or fused_shapes(model) <= set(plan.layouts):  # a given plan may be for the unfused layers
         fuse(model)  # q/k/v and gate/up as one layer each: their shapes are the ones measured and checked
+    own_weights(model)  # after the fusion, which has copied the projections it fused already
     plan = plan or kernel_plan(model, mode, gain=tree_gain(model))
     apply_plan(model, plan)
     return plan
