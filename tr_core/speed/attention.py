@@ -19,6 +19,10 @@ per row depends only on that row's inputs, on a fixed layout of the keys:
   added, or oneDNN's matmul); the own part's weighted values are a batched product with a fixed shape per row
   (``bmm``: query heads x BLOCK by BLOCK x head_dim). The softmax is taken over one row per query, its shared scores
   then its window's (one maximum, one sum, over ``start + BLOCK`` entries laid out alike for every row), in fp32.
+- Where the C library is built (``native.py``), the same layout is computed in one call, ``tr_attend``: each (row,
+  query head) by one thread alone, its scores, softmax and weighted values in a fixed order, so it is row-invariant by
+  construction; a one-token step's attention took ~110 us a layer in torch's operations and ~45 us in that call
+  here (257 keys).
 - Rows of one call must lie in one window (``row_keys`` raises otherwise): the decoding loop cuts a draft tree's
   depth at the window's end (``window_room``) and prefills in chunks aligned to ``BLOCK``.
 
@@ -137,8 +141,6 @@ class _Scratch:
     shared: torch.Tensor
     own: torch.Tensor
     padded_shared: torch.Tensor
-    total: torch.Tensor  # (Hkv, m): the softmax's sums (native.c's path)
-    window_out: torch.Tensor  # (Hkv, m, D): the window's weighted values (native.c's path)
 
 
 def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded: int, device) -> _Scratch:
@@ -151,9 +153,7 @@ def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padd
         weights = torch.zeros(kv_heads, padded, start + BLOCK, dtype=torch.float32, device=device)
         step = weights[:, :m]
         scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), step,
-                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start],
-                                               torch.empty(kv_heads, m, dtype=torch.float32, device=device),
-                                               torch.empty(kv_heads, m, dim, dtype=torch.float32, device=device))
+                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start])
     return scratch
 
 
@@ -192,8 +192,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
 def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int, product,
                   lib=None) -> torch.Tensor:
     """``attend`` from the step's queries already scaled in ``scratch.queries``: ``k``, ``v`` (Hkv, S, D) fp32.
-    Returns (n, H * D) fp32. With ``lib`` (``native.library()``, fp32 buffers whose rows are contiguous), the
-    masking, softmax, window product and the output's layout are native calls; else torch operations."""
+    Returns (n, H * D) fp32. With ``lib`` (``native.library()``) it is one native call (``tr_attend``: each row and
+    head computed alone, in the same order as here, its products as fixed sequences of multiply-adds instead of
+    ``product``'s; ~30 torch operations a layer less); else torch operations."""
+    if lib is not None:
+        return _native(lib, scratch, k, v, rows, n)
     kv_heads, _, dim = k.shape
     start, group = rows.start, rows.group
     m = n * group
@@ -201,8 +204,6 @@ def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: Row
     if size < BLOCK:  # at least a window's keys (zero keys added, their scores dropped): one code path for any count
         k = torch.cat([k, k.new_zeros(kv_heads, BLOCK - size, dim)], 1)
     scores = product(scratch.queries, k.transpose(1, 2))  # (Hkv, padded, max(S, BLOCK))
-    if lib is not None:
-        return _native_tail(lib, scratch, scores, v, rows, n, product)
     scores = scores[:, :m]
     index, hidden = rows.grouped  # (m, BLOCK)
     step, own = scratch.step, scratch.own
@@ -222,24 +223,21 @@ def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: Row
     return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, kv_heads * group * dim)
 
 
-def _native_tail(lib, scratch: _Scratch, scores: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int,
-                 product) -> torch.Tensor:
-    kv_heads, padded, width = scores.shape
-    start, group, dim = rows.start, rows.group, v.shape[-1]
-    if v.stride(2) != 1 or v.stride(1) != dim:
-        v = v.contiguous()
+def _native(lib, scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int) -> torch.Tensor:
+    kv_heads, _, dim = k.shape
+    padded = scratch.queries.shape[1]
+    if k.stride()[1:] != (dim, 1) or v.stride() != k.stride():  # rows of D floats, the same per head in both
+        k, v = k.contiguous(), v.contiguous()
     # what the C reads without checking: fp32 buffers of these layouts, and every key the rows' windows name
-    if not (scores.dtype == v.dtype == torch.float32 and scores.is_contiguous() and v.shape[1] >= rows.keys
-            and rows.index.dtype == torch.int64 and rows.valid.dtype == torch.bool):
-        raise ValueError(f"native attention: fp32 contiguous scores and values holding {rows.keys} keys expected, "
-                         f"got {scores.dtype} {tuple(scores.shape)} and {v.dtype} {tuple(v.shape)}")
-    lib.tr_softmax_window(scores.data_ptr(), padded, width, start, rows.index.data_ptr(), rows.valid.data_ptr(), n,
-                          group, kv_heads, scratch.step.data_ptr(), scratch.total.data_ptr(), v.data_ptr(), v.stride(0),
-                          dim, scratch.window_out.data_ptr())
-    shared = product(scratch.padded_shared, v[:, :start]).contiguous() if start else None
-    out = torch.empty(n, kv_heads * group * dim, dtype=torch.float32)
-    lib.tr_attention_out(None if shared is None else shared.data_ptr(), padded, scratch.window_out.data_ptr(),
-                         scratch.total.data_ptr(), n, group, kv_heads, dim, out.data_ptr())
+    if not (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.shape[1] >= rows.keys and rows.index.dtype == torch.int64
+            and rows.valid.dtype == torch.bool):
+        raise ValueError(f"native attention: fp32 keys and values of rows of {dim} holding {rows.keys} keys "
+                         f"expected, got {k.dtype} {tuple(k.shape)} {k.stride()} and {v.dtype} {tuple(v.shape)} "
+                         f"{v.stride()}")
+    out = torch.empty(n, kv_heads * rows.group * dim, dtype=torch.float32)
+    lib.tr_attend(scratch.queries.data_ptr(), padded, k.data_ptr(), v.data_ptr(), k.stride(0), rows.start,
+                  rows.index.data_ptr(), rows.valid.data_ptr(), n, rows.group, kv_heads, dim, out.data_ptr(),
+                  torch.get_num_threads())
     return out
 
 

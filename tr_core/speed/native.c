@@ -9,7 +9,13 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define BLOCK 64
@@ -103,78 +109,137 @@ void tr_rope_store(const float *q, const float *k, const float *v, const float *
     }
 }
 
-/* The softmax of each of the step's m = n * group rows per kv head, and its window's weighted values.
- * scores (Hkv, padded, width): each row's scores against every key (width >= the keys held); the row of query r
- * reads its shared scores (keys 0 .. start-1) and its window's: index (n, BLOCK) the key at each offset, valid
- * where valid[r][j]. weights (Hkv, padded, start + BLOCK): the softmax's numerators written there, shared then
- * window (0 where not valid); total (Hkv, m): their sums; window_out (Hkv, m, D): the window's numerators times
- * its values (values (Hkv, ...) head_stride floats apart per kv head). */
-void tr_softmax_window(const float *scores, int padded, int64_t width, int64_t start, const int64_t *index,
-                       const uint8_t *valid, int n, int group, int kv_heads, float *weights, float *total,
-                       const float *values, int64_t head_stride, int dim, float *window_out) {
-    int m = n * group;
+static float dot(const float *a, const float *b, int d) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= d; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i < d; i++, j++) acc[j] += a[i] * b[i];
+    return sum_lanes(acc);
+}
+
+/* A row's scores: w[j] = q . keys[j] for the shared keys j < start, then w[start + j] = q . keys[idx[j]] for its
+ * window's offsets j, -inf where not ok[j]. With AVX-512 and D = 64, q is held in registers and each key's products
+ * are summed by fused multiply-adds, the lanes by the compiler's fixed sequence (the same for every row). */
+static void scores_row(const float *q, const float *keys, int64_t start, const int64_t *idx, const uint8_t *ok,
+                       int dim, float *w) {
+    float *own = w + start;
+#ifdef HAVE_AVX512
+    if (dim == 64) {
+        __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+               q3 = _mm512_loadu_ps(q + 48);
+#define DOT64(k)                                                                                                   \
+    _mm512_reduce_add_ps(_mm512_fmadd_ps(                                                                          \
+        q3, _mm512_loadu_ps((k) + 48),                                                                             \
+        _mm512_fmadd_ps(q2, _mm512_loadu_ps((k) + 32),                                                             \
+                        _mm512_fmadd_ps(q1, _mm512_loadu_ps((k) + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k))))))
+        for (int64_t j = 0; j < start; j++) w[j] = DOT64(keys + j * 64);
+        for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? DOT64(keys + idx[j] * 64) : -INFINITY;
+#undef DOT64
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < start; j++) w[j] = dot(q, keys + j * dim, dim);
+    for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? dot(q, keys + idx[j] * dim, dim) : -INFINITY;
+}
+
+/* The softmax's numerators in place over w's start + BLOCK scores (its window's 0 where not ok), and their sum:
+ * one maximum and one sum over the row, in LANES accumulators combined pairwise. */
+static float softmax_row(float *w, int64_t start, const uint8_t *ok) {
     int64_t row_len = start + BLOCK;
-    for (int kv = 0; kv < kv_heads; kv++) {
-        for (int row = 0; row < m; row++) {
-            int r = row / group;
-            const float *s = scores + ((int64_t)kv * padded + row) * width;
-            float *w = weights + ((int64_t)kv * padded + row) * row_len;
-            const int64_t *idx = index + (int64_t)r * BLOCK;
-            const uint8_t *ok = valid + (int64_t)r * BLOCK;
-            float *own = w + start;
-            for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? s[idx[j]] : -INFINITY;
-            if (start) memcpy(w, s, sizeof(float) * start);
-            float top[LANES];
-            for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
-            int64_t i = 0;
-            for (; i + LANES <= row_len; i += LANES)
-                for (int j = 0; j < LANES; j++) top[j] = w[i + j] > top[j] ? w[i + j] : top[j];
-            for (int j = 0; i < row_len; i++, j++) top[j] = w[i] > top[j] ? w[i] : top[j];
-            float most = top[0];
-            for (int j = 1; j < LANES; j++) most = top[j] > most ? top[j] : most;
-            for (i = 0; i < row_len; i++) w[i] = exp_small(w[i] - most);
-            for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? own[j] : 0.0f;
-            float acc[LANES] = {0};
-            for (i = 0; i + LANES <= row_len; i += LANES)
-                for (int j = 0; j < LANES; j++) acc[j] += w[i + j];
-            for (int j = 0; i < row_len; i++, j++) acc[j] += w[i];
-            total[(int64_t)kv * m + row] = sum_lanes(acc);
-            float *o = window_out + ((int64_t)kv * m + row) * dim;
-            for (int d = 0; d < dim; d++) o[d] = 0.0f;
-            const float *vals = values + kv * head_stride;
-            for (int j = 0; j < BLOCK; j++) {
-                if (!ok[j]) continue;
-                const float *vrow = vals + idx[j] * dim;
-                float a = own[j];
-                for (int d = 0; d < dim; d++) o[d] += a * vrow[d];
-            }
+    float *own = w + start;
+    float top[LANES];
+    for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= row_len; i += LANES)
+        for (int j = 0; j < LANES; j++) top[j] = w[i + j] > top[j] ? w[i + j] : top[j];
+    for (int j = 0; i < row_len; i++, j++) top[j] = w[i] > top[j] ? w[i] : top[j];
+    float most = top[0];
+    for (int j = 1; j < LANES; j++) most = top[j] > most ? top[j] : most;
+    for (i = 0; i < row_len; i++) w[i] = exp_small(w[i] - most);
+    for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? own[j] : 0.0f;
+    float acc[LANES] = {0};
+    for (i = 0; i + LANES <= row_len; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += w[i + j];
+    for (int j = 0; i < row_len; i++, j++) acc[j] += w[i];
+    return sum_lanes(acc);
+}
+
+/* out (D) = (sum over the shared keys of w[j] * values[j], then over the window's valid offsets of
+ * w[start + j] * values[idx[j]], in that order) / total. With AVX-512 and D = 64 the sums are held in registers. */
+static void values_row(const float *w, const float *values, int64_t start, const int64_t *idx, const uint8_t *ok,
+                       int dim, float total, float *out) {
+    const float *own = w + start;
+#ifdef HAVE_AVX512
+    if (dim == 64) {
+        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+#define ADD64(a, v)                                                                                                \
+    {                                                                                                              \
+        __m512 s = _mm512_set1_ps(a);                                                                              \
+        const float *vr = (v);                                                                                     \
+        o0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr), o0);                                                          \
+        o1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 16), o1);                                                     \
+        o2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 32), o2);                                                     \
+        o3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 48), o3);                                                     \
+    }
+        for (int64_t j = 0; j < start; j++) ADD64(w[j], values + j * 64)
+        for (int j = 0; j < BLOCK; j++)
+            if (ok[j]) ADD64(own[j], values + idx[j] * 64)
+#undef ADD64
+        __m512 t = _mm512_set1_ps(total);
+        _mm512_storeu_ps(out, _mm512_div_ps(o0, t));
+        _mm512_storeu_ps(out + 16, _mm512_div_ps(o1, t));
+        _mm512_storeu_ps(out + 32, _mm512_div_ps(o2, t));
+        _mm512_storeu_ps(out + 48, _mm512_div_ps(o3, t));
+        return;
+    }
+#endif
+    for (int d = 0; d < dim; d++) out[d] = 0.0f;
+    for (int64_t j = 0; j < start; j++)
+        for (int d = 0; d < dim; d++) out[d] += w[j] * values[j * dim + d];
+    for (int j = 0; j < BLOCK; j++)
+        if (ok[j])
+            for (int d = 0; d < dim; d++) out[d] += own[j] * values[idx[j] * dim + d];
+    for (int d = 0; d < dim; d++) out[d] /= total;
+}
+
+/* One query row's attention: q (D) scaled, against keys and values (rows of D floats) 0 .. start-1 (the shared
+ * part) and its window's: idx[j] the key at offset j where ok[j]. w: start + BLOCK floats of scratch. out (D). */
+static void attend_row(const float *q, const float *keys, const float *values, int64_t start, const int64_t *idx,
+                       const uint8_t *ok, int dim, float *w, float *out) {
+    scores_row(q, keys, start, idx, ok, dim, w);
+    float total = softmax_row(w, start, ok);
+    values_row(w, values, start, idx, ok, dim, total, out);
+}
+
+/* The step's attention, whole: for query head h = kv * group + g of row r, its query (scaled) at
+ * queries[kv][r * group + g] (queries (Hkv, padded, D)) against kv head kv's keys and values (head_stride floats
+ * apart per kv head, rows of D floats): every key before start, and the row's window (index (n, BLOCK) the key at
+ * each offset, valid where valid[r][j]). The softmax over the shared scores then the window's (one maximum, one
+ * sum); out (n, H * D). Each (row, head) is computed by one thread, alone, in the same order whatever the call; the
+ * rows are shared among `threads` threads where the work is large enough to pay for them. */
+void tr_attend(const float *queries, int padded, const float *keys, const float *values, int64_t head_stride,
+               int64_t start, const int64_t *index, const uint8_t *valid, int n, int group, int kv_heads, int dim,
+               float *out, int threads) {
+    int m = n * group, heads = kv_heads * group;
+    int64_t tasks = (int64_t)kv_heads * m;
+    int many = tasks * (start + BLOCK) * dim > (1 << 20);
+#pragma omp parallel num_threads(threads) if(many)
+    {
+        float *w = malloc(sizeof(float) * (start + BLOCK));
+        if (!w) abort(); /* a few kB: without them the process could not go on anyway */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int kv = (int)(t / m), row = (int)(t % m), r = row / group;
+            attend_row(queries + ((int64_t)kv * padded + row) * dim, keys + kv * head_stride,
+                       values + kv * head_stride, start, index + (int64_t)r * BLOCK, valid + (int64_t)r * BLOCK,
+                       dim, w, out + ((int64_t)r * heads + kv * group + row % group) * dim);
         }
+        free(w);
     }
 }
 
-/* out (n, H * D): for query head h = kv * group + g of row r, (shared[kv][r * group + g] + window_out[...]) /
- * total[...]; shared (Hkv, padded, D) or NULL where there is no shared part. */
-void tr_attention_out(const float *shared, int padded, const float *window_out, const float *total, int n,
-                      int group, int kv_heads, int dim, float *out) {
-    int m = n * group, heads = kv_heads * group;
-    for (int kv = 0; kv < kv_heads; kv++)
-        for (int row = 0; row < m; row++) {
-            int r = row / group, h = kv * group + row % group;
-            const float *w = window_out + ((int64_t)kv * m + row) * dim;
-            float t = total[(int64_t)kv * m + row];
-            float *o = out + ((int64_t)r * heads + h) * dim;
-            if (shared) {
-                const float *sh = shared + ((int64_t)kv * padded + row) * dim;
-                for (int d = 0; d < dim; d++) o[d] = (sh[d] + w[d]) / t;
-            } else {
-                for (int d = 0; d < dim; d++) o[d] = w[d] / t;
-            }
-        }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
+#ifdef HAVE_AVX512
 /* Linear layers: y (n, out) = x (n, in) @ w^T, x and y fp32, w fp16 (tr_linear_f16) or fp32 (tr_linear_f32). The
  * weights come in tiles of TILE outputs (layouts.py's pack): tile t holds, input after input, the weights of outputs
  * TILE*t..TILE*t+TILE-1 (zeros past out), so each tile is read front to back, one stream the prefetcher follows.

@@ -40,8 +40,7 @@ SIGNATURES = {
     "tr_add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "tr_silu_mul": [_P, _P, _L],
     "tr_rope_store": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _P, _L, _L],
-    "tr_softmax_window": [_P, _I, _L, _L, _P, _P, _I, _I, _I, _P, _P, _P, _L, _I, _P],
-    "tr_attention_out": [_P, _I, _P, _P, _I, _I, _I, _I, _P],
+    "tr_attend": [_P, _I, _P, _P, _L, _L, _P, _P, _I, _I, _I, _I, _P, _I],
 }
 # built only where the CPU has them (AVX-512 F, BW and VL): linear layers, fp16 and fp32 weights (layouts.py's
 # "fp16n" and "native")
