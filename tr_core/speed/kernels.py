@@ -206,6 +206,10 @@ class ChosenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
 
+    def kernel_for(self, rows: int) -> tuple:
+        """``(run, packed)``: the kernel call for ``rows`` rows, ``run(x, packed)``."""
+        return self._table[rows] if rows < len(self._table) else self._large
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for ``x`` already (rows, in_features) and contiguous (the lean forward's activations): the
         same kernel call without the reshapes."""

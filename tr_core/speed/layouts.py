@@ -45,6 +45,10 @@ FORMATS = ("fp32", "fp16", "bf16")
 # and the trees a CPU verifies (why not all 81: docs/speed.md, "Measurements behind the choices")
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
+# per format, the layout whose calls native.c's tr_layers makes itself (the lean forward's whole pass in one call,
+# where every body layer runs it); its calls are also timed bare, as they cost there (``measure``'s ``inside``)
+STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n"}
+INSIDE = "inside:"  # the prefix of a bare call's timing, in ``measure``'s result and the cache file
 
 
 def cpu_has_native_bf16() -> bool:
@@ -138,6 +142,28 @@ def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
     run(x.data_ptr(), tiles.data_ptr(), x.shape[0], x.shape[1], packed.out_features, y.data_ptr(),
         torch.get_num_threads())
     return y
+
+
+def native_tiles(run, packed) -> WeightTiles | None:
+    """The tiles a linear layer's kernel call ``run(x, packed)`` reads, where it is native.c's linear layer (the lean
+    forward then runs the layer inside ``tr_layers``), else None."""
+    return packed if run is _linear_native and isinstance(packed, WeightTiles) else None
+
+
+def _bare_call(name: str):
+    """For a layout of ``STACK_LAYOUTS``: a call ``(x, packed, y)`` of its C kernel straight through ctypes, writing
+    ``y`` (what a call costs inside ``tr_layers``, without the Python around it); else None."""
+    if name not in STACK_LAYOUTS.values() or name not in LAYOUTS:
+        return None
+    from . import native
+    fn = native.linear(torch.float32 if LAYOUTS[name].fmt == "fp32" else torch.float16)
+    if fn is None:
+        return None
+    threads = torch.get_num_threads()
+
+    def call(x: torch.Tensor, packed: WeightTiles, y: torch.Tensor) -> None:
+        fn(x.data_ptr(), packed.tiles.data_ptr(), x.shape[0], x.shape[1], packed.out_features, y.data_ptr(), threads)
+    return call
 
 
 _native_linear: dict = {}  # weight dtype -> native.linear(dtype), found on first use (None: not here)
@@ -453,14 +479,15 @@ def _sample(layers: list[nn.Linear], fraction: float) -> list[torch.Tensor]:
 
 @torch.inference_mode()
 def measure(model: nn.Module, layouts: Iterable[str], rows: Iterable[int] = ROW_COUNTS, rounds: int = 5,
-            budget_s: float = 20.0, report_busy: bool = False):
+            budget_s: float = 20.0, report_busy: bool = False, inside: bool = False):
     """Time (ms of one call of one layer) of each layout for each linear shape of ``model`` (an fp32 CPU model) and
     row count: the median of every call timed. A round runs, for each row count and layout in turn, one pass over a
     sample of the body's own layers of every shape (``STREAM_BYTES`` of weights, evenly spread over the model) and the
     output layer, each call timed apart; so a slow spell of the machine hits every layout alike, and the median drops
     a call the scheduler stalled. Round 0 warms up; rounds stop once ``budget_s`` is spent (at least one is timed).
     Returns {(shape, rows, layout): ms}, and with ``report_busy`` also whether other processes competed for the cores
-    meanwhile (``machine_busy``)."""
+    meanwhile (``machine_busy``). With ``inside``, the layouts of ``STACK_LAYOUTS`` are also timed as bare C calls
+    (``_bare_call``), in passes of their own after every layout's, as ``(shape, rows, INSIDE + layout)``."""
     layouts, rows = list(layouts), list(rows)
     shapes = linear_shapes(model)
     body_bytes = sum(layer.weight.numel() * 4 for s, ls in shapes.items() if s != HEAD for layer in ls)
@@ -475,17 +502,27 @@ def measure(model: nn.Module, layouts: Iterable[str], rows: Iterable[int] = ROW_
     load: list[int] = []  # runnable threads of the machine, sampled after each row count (see machine_busy)
     clock = time.perf_counter
     start = clock()
+    # each timed pass: (timings' name, the call, the layout whose packs it reads); the bare calls come after every
+    # layout's own, so the weights they read were streamed out of the caches since their own pass
+    passes = [(name, LAYOUTS[name].run, name) for name in layouts]
+    if inside:
+        passes += [(INSIDE + name, call, name) for name in layouts if (call := _bare_call(name)) is not None]
+    outputs = {(name, s, r): torch.empty(r, ws[0].shape[0]) for name, _, _ in passes if name.startswith(INSIDE)
+               for s, ws in weights.items() for r in rows}
     for round_ in range(rounds + 1):
         for r in rows:
-            for name in layouts:
-                layout = LAYOUTS[name]
-                run = layout.run
+            for timed, run, name in passes:
+                fmt = LAYOUTS[name].fmt
                 for s, ps in packs[name].items():
-                    x = inputs[(s, r, layout.fmt)]
-                    samples = times.setdefault((s, r, name), [])
+                    x = inputs[(s, r, fmt)]
+                    samples = times.setdefault((s, r, timed), [])
+                    out = outputs.get((timed, s, r))
                     for p in ps:
                         t0 = clock()
-                        run(x, p)
+                        if out is None:
+                            run(x, p)
+                        else:
+                            run(x, p, out)
                         if round_:
                             samples.append((clock() - t0) * 1e3)
             running = runnable_threads()
@@ -595,6 +632,10 @@ class KernelPlan:
     # with the method's expected tokens per step (``choose_format``'s ``gain``): per format, the row count where its
     # decoding speed peaks and that speed (tokens per ms of the linear layers); empty where chosen by step time alone
     speed: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # whether the body's layers were chosen to run as one C call a pass (``stack_choice``), and the bare timings of
+    # the format's ``STACK_LAYOUTS`` layout that choice weighed: shape -> rows -> ms of one call inside that call
+    stacked: bool = False
+    inside: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def layout_for(self, shape: str, rows: int) -> str:
         """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
@@ -612,13 +653,14 @@ class KernelPlan:
 
 def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available: Iterable[str],
               source: str = "measured here", invariant: Mapping[str, Iterable[str]] | None = None,
-              gain: Mapping[int, float] | None = None) -> KernelPlan:
+              gain: Mapping[int, float] | None = None, inside: Timings | None = None) -> KernelPlan:
     """The plan for ``mode`` from timings (pure): the format by ``choose_format``, then per shape and row count the
     fastest layout of that format (``choose_layouts``). Given ``invariant`` (shape -> the families found
     row-invariant here, ``row_invariant``), only formats where every shape has such a family compete, and each
     shape runs its fastest family at every row count (``choose_families``); where no format has one for every
     shape, the plan falls back to the fastest layouts and says it is not row-invariant. ``gain``: the method's
-    expected tokens per step by tree size, to choose the format by decoding speed (``choose_format``)."""
+    expected tokens per step by tree size, to choose the format by decoding speed (``choose_format``). ``inside``:
+    bare timings of the ``STACK_LAYOUTS`` layouts where the body can run as one C call (``stack_choice``)."""
     available = tuple(available)
     formats = mode_formats(mode)
     steady = None
@@ -644,11 +686,64 @@ def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available:
                           and f"{n}{PAD}2" not in invariant.get(sh, ())})
             if bad:
                 excluded[f] = bad
+    stacked, stack_ms = False, {}
+    if inside and steady is not None:
+        stack = stack_choice(timings, inside, counts, fmt, chosen, steady, gain)
+        if stack is not None:
+            stacked, name, step = True, STACK_LAYOUTS[fmt], stack
+            for s in counts:
+                if s != HEAD:
+                    layouts[s] = {r: name for r in rows}
+            steps = {**steps, fmt: step}
+    for (s, r, name), ms in (inside or {}).items():
+        if name == STACK_LAYOUTS.get(fmt):
+            stack_ms.setdefault(s, {})[r] = ms
     speed = {}
     if gain and len(steps) > 1:
         speed = speed_by_format({f: s for f, s in steps.items() if set(s) >= set(steps[fmt])}, gain)
     return KernelPlan(mode, fmt, rows, layouts, dict(counts), table, steps, source, steady is not None, excluded,
-                      speed)
+                      speed, stacked, stack_ms)
+
+
+def _step_score(step: Mapping[int, float], gain: Mapping[int, float] | None) -> float:
+    """Lower is faster: ``choose_format``'s score of one format's step times."""
+    if gain:
+        return -math.log(speed_by_format({"f": step}, gain)["f"][1])
+    rows = [r for r in step if r <= FORMAT_MAX_ROWS] or list(step)
+    return statistics.fmean(math.log(step[r]) for r in rows)
+
+
+def stack_choice(timings: Timings, inside: Timings, counts: Mapping[str, int], fmt: str,
+                 chosen: Mapping[tuple[str, int], str], invariant: Mapping[str, Iterable[str]],
+                 gain: Mapping[int, float] | None = None) -> dict[int, float] | None:
+    """Whether the body's linear layers should all run ``STACK_LAYOUTS[fmt]``, so that a pass runs as one C call
+    (``tr_layers``), which makes that layout's calls without the Python around each: the linear layers' step time
+    that way (rows -> ms: the body's bare calls, ``inside``, plus the output layer's chosen calls), where it scores at
+    least as well as the step of the layouts chosen call by call (``chosen``, at their own calls' timings; a tie,
+    within ``TIE``, goes to the stack, which also runs the operations between the linear layers without Python); else
+    None. Needs that
+    layout row-invariant for every body shape and timed bare at every row count.
+
+    >>> t = {("8x8", 1, "fp16n"): 1.2, ("8x8", 1, "fp16w"): 1.0, (HEAD, 1, "fp16w"): 5.0}
+    >>> inside = {("8x8", 1, "fp16n"): 0.9}
+    >>> chosen = {("8x8", 1): "fp16w", (HEAD, 1): "fp16w"}
+    >>> stack_choice(t, inside, {"8x8": 10, HEAD: 1}, "fp16", chosen, {"8x8": ["fp16n", "fp16w"]})
+    {1: 14.0}
+    >>> stack_choice(t, {("8x8", 1, "fp16n"): 1.2}, {"8x8": 10, HEAD: 1}, "fp16", chosen, {"8x8": ["fp16n"]}) is None
+    True
+    """
+    name = STACK_LAYOUTS.get(fmt)
+    body = [s for s in counts if s != HEAD]
+    rows = sorted({r for _, r in chosen})
+    if name is None or not body or not rows or any(
+            name not in invariant.get(s, ()) or any((s, r, name) not in inside for r in rows) for s in body):
+        return None
+    stack, free = {}, {}
+    for r in rows:
+        head = sum(n * layout_ms(timings, s, r, chosen[(s, r)]) for s, n in counts.items() if s == HEAD)
+        stack[r] = sum(counts[s] * inside[(s, r, name)] for s in body) + head
+        free[r] = sum(counts[s] * layout_ms(timings, s, r, chosen[(s, r)]) for s in body) + head
+    return stack if _step_score(stack, gain) <= _step_score(free, gain) + math.log1p(TIE) else None
 
 
 def cache_key(model: nn.Module, mode: str) -> str:
@@ -677,27 +772,42 @@ def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and cached. ``gain``: see ``make_plan``."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
+    from .lean import stackable
+    stack = stackable(model)
     path = cache_path(model, mode)
     if use_cache_file and not remeasure and path.is_file():
         data = json.loads(path.read_text())
         here = set(layouts)  # a cache folder copied from another machine may name layouts that do not run here
-        timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"] if name in here}
+        timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"] if name.removeprefix(INSIDE) in here}
+        timings, inside = _split_inside(timings)
         invariant = {s: [f for f in families if base_layout(f) in here] for s, families in data["invariant"].items()}
         return make_plan(mode, timings, counts, [n for n in data["available"] if n in here], source="cached",
-                         invariant=invariant, gain=gain)
+                         invariant=invariant, gain=gain, inside=inside if stack else None)
     invariant = row_invariant(_shape_sizes(model), layouts)
-    timings, busy = measure(model, layouts, report_busy=True, **measure_kw)
+    timings, busy = measure(model, layouts, report_busy=True, inside=stack, **measure_kw)
+    timings, inside = _split_inside(timings)
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
         # time slice while other processes ran): used by this process, measured again by the next
         return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached",
-                         invariant=invariant, gain=gain)
+                         invariant=invariant, gain=gain, inside=inside)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]
+        rows += [[s, r, INSIDE + name, ms] for (s, r, name), ms in sorted(inside.items())]
         path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                                    "invariant": invariant,
-                                    "timings": [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]},
-                                   indent=0))
-    return make_plan(mode, timings, counts, layouts, invariant=invariant, gain=gain)
+                                    "invariant": invariant, "timings": rows}, indent=0))
+    return make_plan(mode, timings, counts, layouts, invariant=invariant, gain=gain, inside=inside)
+
+
+def _split_inside(timings: Timings) -> tuple[dict, dict]:
+    """``measure``'s timings as (the layouts' own calls, the bare calls without ``INSIDE`` in their names)."""
+    own, inside = {}, {}
+    for (s, r, name), ms in timings.items():
+        if name.startswith(INSIDE):
+            inside[(s, r, name.removeprefix(INSIDE))] = ms
+        else:
+            own[(s, r, name)] = ms
+    return own, inside
 
 
 def _shape_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:

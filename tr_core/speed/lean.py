@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import attention, native
+from . import attention, layouts, native
 
 
 def supports(model: nn.Module) -> bool:
@@ -125,6 +125,13 @@ def _fusable(model: nn.Module) -> bool:
                for p in (getattr(getattr(layer, block), n) for n in names))
 
 
+def stackable(model: nn.Module) -> bool:
+    """Whether a pass of ``model`` can run as one ``tr_layers`` call where its linear layers run native.c's kernels:
+    ``fuse`` applies, the activation is SiLU and ``tr_layers`` is built here."""
+    return (_fusable(model) and getattr(model.config, "hidden_act", None) == "silu"
+            and native.stacked() is not None)
+
+
 def fused_shapes(model: nn.Module) -> set[str]:
     """The ``"<out>x<in>"`` shapes ``fuse`` would give ``model``'s fused layers (empty where it does not apply)."""
     if not _fusable(model):
@@ -190,18 +197,32 @@ def _projections(owner: nn.Module, fused_name: str, names: tuple[str, ...]):
     return _together(*(_linear(getattr(owner, n)) for n in names))
 
 
+def _joined(owner: nn.Module, fused_name: str, names: tuple[str, ...]):
+    """A call returning the projections side by side in one (rows, sum of outputs) tensor: the fused layer's own, or
+    the separate layers' outputs concatenated."""
+    if hasattr(owner, fused_name):
+        return _linear(getattr(owner, fused_name))
+    calls = tuple(_linear(getattr(owner, n)) for n in names)
+
+    def joined(x: torch.Tensor):
+        return torch.cat([call(x) for call in calls], dim=-1)
+    return joined
+
+
 def _layer_calls(layer: nn.Module) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     (_, qkv_name, qkv_names), (_, gate_up_name, gate_up_names) = FUSED
     return (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
             _projections(attn, qkv_name, qkv_names), _linear(attn.o_proj),
             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-            _projections(mlp, gate_up_name, gate_up_names), _linear(mlp.down_proj), mlp.act_fn)
+            _projections(mlp, gate_up_name, gate_up_names), _linear(mlp.down_proj), mlp.act_fn,
+            _joined(attn, qkv_name, qkv_names), _joined(mlp, gate_up_name, gate_up_names))
 
 
-def _fp32(*outputs: torch.Tensor) -> None:
-    if any(t.dtype != torch.float32 for t in outputs):
-        raise ValueError("the native forward takes fp32 linear outputs")
+def _rows(out: torch.Tensor) -> None:
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"the native forward takes contiguous fp32 linear outputs, not {out.dtype} "
+                         f"{tuple(out.shape)} {out.stride()}")
 
 
 class LeanLlama:
@@ -221,7 +242,8 @@ class LeanLlama:
         self.scaling = first.scaling
         self.gqa = self.heads != self.kv_heads
         self.silu = getattr(config, "hidden_act", None) == "silu"
-        self._collected = None  # (swaps, id of the layer list, the list, per layer its calls): ``_layers``
+        # (swaps, id of the layer list, the list, per layer its calls, per row count its tr_layers program): ``_layers``
+        self._collected = None
 
     @property
     def window(self) -> int | None:
@@ -239,7 +261,7 @@ class LeanLlama:
         swapped the linears (``layers_swapped``) or the layer list was replaced."""
         layers = self.base.layers
         if self._collected is None or self._collected[:2] != (_SWAPS[0], id(layers)):
-            self._collected = (_SWAPS[0], id(layers), layers, tuple(_layer_calls(layer) for layer in layers))
+            self._collected = (_SWAPS[0], id(layers), layers, tuple(_layer_calls(layer) for layer in layers), {})
         return self._collected[3]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -279,7 +301,7 @@ class LeanLlama:
         shape = (batch, n, -1, self.head_dim)
         sdpa_kwargs = {"enable_gqa": True} if self.gqa else {}
         layers = cache.layers
-        for i, (w1, eps1, qkv, o_proj, w2, eps2, gate_up, down, act) in enumerate(self._layers()):
+        for i, (w1, eps1, qkv, o_proj, w2, eps2, gate_up, down, act, *_) in enumerate(self._layers()):
             residual = hidden
             x = _rms_norm(hidden, w1, eps1).reshape(batch * n, -1)
             q, k, v = qkv(x)
@@ -318,47 +340,125 @@ class LeanLlama:
     def _windowed_native(self, lib, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          rows: attention.RowKeys, layers) -> torch.Tensor:
         """``_windowed`` with the small operations in ``native.c``'s calls (the same model, other float roundings):
-        ``hidden`` (n, d) fp32, modified in place; ``cos``, ``sin`` (n, head_dim), ``sin`` as the model gives it."""
+        ``hidden`` (n, d) fp32, modified in place; ``cos``, ``sin`` (n, head_dim), ``sin`` as the model gives it.
+        Where every linear layer of the pass is native.c's and the cache preallocated, the whole stack of layers is
+        one call (``tr_layers``: the same calls in the same order, so the same bits, without ~300 Python calls)."""
         n, d = hidden.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
         product, pad = attention.KINDS[attention.batch_invariant(heads, kv_heads, dim) or "bmm-4"]
         padded = max(n * group, pad)
         scratch = attention.scratch_for(rows, kv_heads, n, group, dim, padded, hidden.device)
-        rope = (cos.contiguous(), sin.contiguous(), scratch.queries, padded)
+        cos, sin = cos.contiguous(), sin.contiguous()
         like = hidden.new_empty(1, kv_heads, n, dim)
         x = torch.empty_like(hidden)
+        program = self._program(n) if self.stacked else None
+        if program is not None and all(hasattr(layer, "extend") for layer in layers):
+            return self._stacked(lib, program, hidden, x, cos, sin, scratch, rows, layers, like)
+        rope = (cos, sin, scratch.queries, padded)
         pointers = (hidden.data_ptr(), x.data_ptr())
         delta = None  # the last layer's output, added to the residual stream by the next norm
-        for i, (w1, eps1, qkv, o_proj, w2, eps2, gate_up, down, _) in enumerate(self._layers()):
+        act = None
+        for i, (w1, eps1, _, o_proj, w2, eps2, _, down, _, qkv, gate_up) in enumerate(self._layers()):
             lib.tr_add_rms_norm(pointers[0], None if delta is None else delta.data_ptr(), w1.data_ptr(), eps1, n, d,
                                 pointers[1])
-            q, k, v = (t.contiguous() for t in qkv(x))
-            if i == 0:  # the linears' outputs the C reads are fp32 (checked on the first layer: all run alike)
-                _fp32(q, k, v)
-            keys, values = self._rope_store(lib, layers[i], like, q, k, v, rope)
-            o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib)).contiguous()
+            joined = qkv(x)
+            if i == 0:  # what the C reads: fp32 rows (checked on the first layer: all run alike)
+                _rows(joined)
+            keys, values = self._rope_store(lib, layers[i], like, joined, rope)
+            o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib))
             if i == 0:
-                _fp32(o)
+                _rows(o)
             lib.tr_add_rms_norm(pointers[0], o.data_ptr(), w2.data_ptr(), eps2, n, d, pointers[1])
-            g, u = (t.contiguous() for t in gate_up(x))
+            both = gate_up(x)
             if i == 0:
-                _fp32(g, u)
-            lib.tr_silu_mul(g.data_ptr(), u.data_ptr(), g.numel())
+                _rows(both)
+                act = both.new_empty(n, both.shape[1] // 2)
+            lib.tr_silu_mul(both.data_ptr(), n, act.shape[1], act.data_ptr())
             # kept as a tensor until read (a freed buffer's first bytes are the allocator's)
-            delta = down(g).contiguous()
+            delta = down(act)
             if i == 0:
-                _fp32(delta)
+                _rows(delta)
         norm = self.base.norm
         lib.tr_add_rms_norm(pointers[0], delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, n, d,
                             pointers[1])
         return x
 
-    def _rope_store(self, lib, layer, like: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    stacked = True  # whether a pass may run as one tr_layers call (off: the same calls from Python, for tests)
+
+    def _program(self, n: int):
+        """For passes of ``n`` rows: (per layer the pointers tr_layers reads, as an int64 tensor (layers, 6); the
+        norms' epsilons (layers, 2) fp32; whether the weights are fp16; the intermediate size), where every linear
+        layer runs native.c's kernel for ``n`` rows (the tiles of one dtype) and ``tr_layers`` is built here; else
+        None. Made once per row count (and again after the linears were swapped)."""
+        calls = self._layers()
+        programs = self._collected[4]
+        if n not in programs:
+            programs[n] = self._make_program(n, calls)
+        return programs[n]
+
+    def _make_program(self, n: int, calls) -> tuple | None:
+        if native.stacked() is None or not self.silu:
+            return None
+        pointers, eps, dtypes, inter = [], [], set(), None
+        for layer, (w1, eps1, _, _, w2, eps2, _, _, _, _, _) in zip(self.base.layers, calls):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [getattr(attn, FUSED[0][1], None), attn.o_proj, getattr(mlp, FUSED[1][1], None), mlp.down_proj]
+            tiles = []
+            for lin in linears:
+                kernel_for = getattr(lin, "kernel_for", None)
+                packed = layouts.native_tiles(*kernel_for(n)) if kernel_for is not None else None
+                if packed is None or getattr(lin, "bias", None) is not None:
+                    return None
+                tiles.append(packed)
+            dtypes.update(t.tiles.dtype for t in tiles)
+            inter = tiles[3].in_features
+            if not (w1.dtype == w2.dtype == torch.float32 and w1.is_contiguous() and w2.is_contiguous()):
+                return None
+            pointers.append([w1.data_ptr(), tiles[0].tiles.data_ptr(), tiles[1].tiles.data_ptr(), w2.data_ptr(),
+                             tiles[2].tiles.data_ptr(), tiles[3].tiles.data_ptr()])
+            eps.append([eps1, eps2])
+        if len(dtypes) != 1 or dtypes - {torch.float16, torch.float32}:
+            return None
+        # the tiles and norms are held by the layers; the program is dropped with them (``_layers`` collects anew)
+        return (torch.tensor(pointers, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
+                dtypes == {torch.float16}, inter)
+
+    def _stacked(self, lib, program, hidden, x, cos, sin, scratch, rows, layers, like) -> torch.Tensor:
+        weights, eps, f16, inter = program
+        n, d = hidden.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        kv, past = [], None
+        for layer in layers:
+            key_buf, value_buf, start = layer.extend(like)
+            if not (key_buf.dtype == value_buf.dtype == torch.float32 and key_buf.is_contiguous()
+                    and value_buf.is_contiguous() and key_buf.shape == value_buf.shape):
+                raise ValueError(f"the native forward writes an fp32 cache; this layer holds {key_buf.dtype}")
+            if past is not None and start != past:
+                raise ValueError(f"the cache's layers hold {past} and {start} positions")
+            past = start
+            kv.append((key_buf.data_ptr(), value_buf.data_ptr(), key_buf.stride(1)))
+        if rows.keys != past + n:
+            raise ValueError(f"rows laid out for {rows.keys} keys; the cache holds {past + n}")
+        new = hidden.new_empty
+        qkv, att, o = new(n, (heads + 2 * kv_heads) * dim), new(n, heads * dim), new(n, d)
+        gate_up, act, delta = new(n, 2 * inter), new(n, inter), new(n, d)
+        norm = self.base.norm
+        kv = torch.tensor(kv, dtype=torch.int64)  # held until the call returns
+        native.stacked()(len(layers), weights.data_ptr(), eps.data_ptr(), kv.data_ptr(), past, int(f16), d, heads, kv_heads, dim,
+                         inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         scratch.queries.data_ptr(), scratch.queries.shape[1], rows.start, rows.index.data_ptr(),
+                         rows.valid.data_ptr(), qkv.data_ptr(), att.data_ptr(), o.data_ptr(), gate_up.data_ptr(),
+                         act.data_ptr(), delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
+                         torch.get_num_threads())
+        return x
+
+    def _rope_store(self, lib, layer, like: torch.Tensor, joined: torch.Tensor,
                     rope: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's queries rotated into the scratch buffer, its keys rotated and its values into the layer's
-        cache; returns the layer's keys and values (Hkv, positions, head_dim) fp32. A preallocated layer
-        (``kv.PreallocatedLayer.extend``) is written in place; another one takes the rows through its ``update``."""
+        cache, from ``joined`` (n, (H + 2 Hkv) D): each row's q, k and v side by side; returns the layer's keys and
+        values (Hkv, positions, head_dim) fp32. A preallocated layer (``kv.PreallocatedLayer.extend``) is written in
+        place; another one takes the rows through its ``update``."""
         cos, sin, queries, padded = rope
         n, kv_heads, dim = like.shape[2], like.shape[1], like.shape[3]
         preallocated = hasattr(layer, "extend")
@@ -370,8 +470,10 @@ class LeanLlama:
             key_at, value_at, stride = key_buf, value_buf, key_buf.stride(1)
         else:
             key_at, value_at, stride, past = torch.empty_like(like), torch.empty_like(like), n * dim, 0
-        lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, self.heads,
-                          kv_heads, dim, self.scaling, queries.data_ptr(), padded, key_at.data_ptr(),
+        q = joined.data_ptr()
+        k = q + 4 * self.heads * dim
+        lib.tr_rope_store(q, k, k + 4 * kv_heads * dim, joined.stride(0), cos.data_ptr(), sin.data_ptr(), n,
+                          self.heads, kv_heads, dim, self.scaling, queries.data_ptr(), padded, key_at.data_ptr(),
                           value_at.data_ptr(), stride, past)
         if preallocated:
             return key_buf[0, :, :past + n], value_buf[0, :, :past + n]
@@ -385,7 +487,7 @@ class LeanLlama:
         states (n, d)."""
         n = hidden.shape[0]
         heads, kv_heads = (n, self.heads, self.head_dim), (n, self.kv_heads, self.head_dim)
-        for i, (w1, eps1, qkv, o_proj, w2, eps2, gate_up, down, act) in enumerate(self._layers()):
+        for i, (w1, eps1, qkv, o_proj, w2, eps2, gate_up, down, act, *_) in enumerate(self._layers()):
             x = _rms_norm(hidden, w1, eps1)
             q, k, v = qkv(x)
             q = _rope(q.reshape(heads), cos, sin)

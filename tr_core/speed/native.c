@@ -72,11 +72,12 @@ void tr_add_rms_norm(float *x, const float *delta, const float *weight, float ep
     }
 }
 
-/* gate[i] = silu(gate[i]) * up[i], in place, over n values. */
-void tr_silu_mul(float *gate, const float *up, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float g = gate[i];
-        gate[i] = g / (1.0f + exp_small(-g)) * up[i];
+/* out (n, inter) = silu(gate) * up, of gate_up (n, 2 * inter): each row's gate, then its up. */
+void tr_silu_mul(const float *gate_up, int n, int inter, float *out) {
+    for (int r = 0; r < n; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
+        float *o = out + (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_small(-g[i])) * u[i];
     }
 }
 
@@ -86,25 +87,25 @@ static void rope_row(const float *x, const float *cos, const float *sin, int dim
     for (int i = half; i < dim; i++) out[i] = (x[i] * cos[i] + x[i - half] * sin[i]) * scale;
 }
 
-/* The rotary embedding of the step's n rows, and where they go. q (n, H, D), k and v (n, Hkv, D), cos and sin
- * (n, D). Each query head h = kv * group + g of row r, rotated and times scale, to queries[kv][r * group + g]
+/* The rotary embedding of the step's n rows, and where they go. q (n, H, D), k and v (n, Hkv, D), their rows
+ * `stride` floats apart (the fused projection's output: q, k and v side by side in one row), cos and sin (n, D). Each query head h = kv * group + g of row r, rotated and times scale, to queries[kv][r * group + g]
  * (queries (Hkv, padded, D)); the rotated keys and the values to key_buf[kv][past + r], value_buf[kv][past + r]
  * (each kv head's buffer head_stride floats apart). */
-void tr_rope_store(const float *q, const float *k, const float *v, const float *cos, const float *sin, int n,
-                   int heads, int kv_heads, int dim, float scale, float *queries, int padded, float *key_buf,
+void tr_rope_store(const float *q, const float *k, const float *v, int64_t stride, const float *cos,
+                   const float *sin, int n, int heads, int kv_heads, int dim, float scale, float *queries, int padded, float *key_buf,
                    float *value_buf, int64_t head_stride, int64_t past) {
     int group = heads / kv_heads;
     for (int r = 0; r < n; r++) {
         const float *c = cos + (int64_t)r * dim, *s = sin + (int64_t)r * dim;
         for (int h = 0; h < heads; h++) {
             int kv = h / group, g = h % group;
-            rope_row(q + ((int64_t)r * heads + h) * dim, c, s, dim, scale,
+            rope_row(q + r * stride + (int64_t)h * dim, c, s, dim, scale,
                      queries + ((int64_t)kv * padded + (int64_t)r * group + g) * dim);
         }
         for (int kv = 0; kv < kv_heads; kv++) {
             int64_t at = kv * head_stride + (past + r) * dim;
-            rope_row(k + ((int64_t)r * kv_heads + kv) * dim, c, s, dim, 1.0f, key_buf + at);
-            memcpy(value_buf + at, v + ((int64_t)r * kv_heads + kv) * dim, sizeof(float) * dim);
+            rope_row(k + r * stride + (int64_t)kv * dim, c, s, dim, 1.0f, key_buf + at);
+            memcpy(value_buf + at, v + r * stride + (int64_t)kv * dim, sizeof(float) * dim);
         }
     }
 }
@@ -332,4 +333,42 @@ void NAME(const float *x, const WEIGHT *tiles, int n, int in, int out, float *y,
 
 LINEAR(tr_linear_f16, uint16_t, LOAD_F16)
 LINEAR(tr_linear_f32, float, LOAD_F32)
+
+/* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from
+ * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
+ * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
+ * tiles (fp16 where f16, else fp32); eps (layers, 2) the norms' epsilons; kv (layers, 3): its key and value buffers
+ * (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
+ * the embedded rows, the residual stream updated in place; x (n, d): the final norm's output. The buffers: qkv
+ * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
+ * windows as tr_attend's. */
+void tr_layers(int layers, const int64_t *weights, const float *eps, const int64_t *kv, int64_t past, int f16, int d,
+               int heads, int kv_heads, int dim, int inter, float scale, int n, float *hidden, float *x,
+               const float *cos, const float *sin, float *queries, int padded, int64_t start, const int64_t *index,
+               const uint8_t *valid, float *qkv, float *att, float *o, float *gate_up, float *act, float *delta,
+               const float *final_norm, float final_eps, int threads) {
+    int nq = heads * dim, nkv = kv_heads * dim, width = nq + 2 * nkv;
+    const float *last = NULL;
+#define LINEAR_CALL(in_rows, tiles, in, out, y)                                                                    \
+    (f16 ? tr_linear_f16(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)                              \
+         : tr_linear_f32(in_rows, (const float *)(tiles), n, in, out, y, threads))
+    for (int l = 0; l < layers; l++) {
+        const int64_t *w = weights + (int64_t)l * 6, *c = kv + (int64_t)l * 3;
+        float *keys = (float *)c[0], *values = (float *)c[1];
+        tr_add_rms_norm(hidden, last, (const float *)w[0], eps[2 * l], n, d, x);
+        LINEAR_CALL(x, w[1], d, width, qkv);
+        tr_rope_store(qkv, qkv + nq, qkv + nq + nkv, width, cos, sin, n, heads, kv_heads, dim, scale, queries, padded,
+                      keys, values, c[2], past);
+        tr_attend(queries, padded, keys, values, c[2], start, index, valid, n, heads / kv_heads, kv_heads, dim, att,
+                  threads);
+        LINEAR_CALL(att, w[2], nq, d, o);
+        tr_add_rms_norm(hidden, o, (const float *)w[3], eps[2 * l + 1], n, d, x);
+        LINEAR_CALL(x, w[4], d, 2 * inter, gate_up);
+        tr_silu_mul(gate_up, n, inter, act);
+        LINEAR_CALL(act, w[5], inter, d, delta);
+        last = delta;
+    }
+#undef LINEAR_CALL
+    tr_add_rms_norm(hidden, last, final_norm, final_eps, n, d, x);
+}
 #endif

@@ -38,13 +38,15 @@ OPENMP = "-fopenmp"
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "tr_add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
-    "tr_silu_mul": [_P, _P, _L],
-    "tr_rope_store": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _P, _L, _L],
+    "tr_silu_mul": [_P, _I, _I, _P],
+    "tr_rope_store": [_P, _P, _P, _L, _P, _P, _I, _I, _I, _I, _F, _P, _I, _P, _P, _L, _L],
     "tr_attend": [_P, _I, _P, _P, _L, _L, _P, _P, _I, _I, _I, _I, _P, _I],
 }
 # built only where the CPU has them (AVX-512 F, BW and VL): linear layers, fp16 and fp32 weights (layouts.py's
-# "fp16n" and "native")
-OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P, _P, _I, _I, _I, _P, _I]}
+# "fp16n" and "native"), and the decoder layers' stack on them (the lean forward's whole pass in one call)
+OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P, _P, _I, _I, _I, _P, _I],
+            "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
+                          _P, _P, _P, _P, _P, _P, _F, _I]}
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32"}  # by the weights' dtype
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
@@ -148,12 +150,18 @@ def linear(dtype: torch.dtype):
     return _OPTIONAL_HERE.get(LINEAR.get(dtype)) if library() is not None else None
 
 
+def stacked():
+    """``tr_layers`` (the decoder layers of a pass in one call, on the C linear layers), or None where it is not
+    built here or failed its check."""
+    return _OPTIONAL_HERE.get("tr_layers") if library() is not None else None
+
+
 def tag() -> str:
     """What the forward's small operations and the C linear layers run on, for cache keys of timings: the C source's
     digest and the linear layers built here (a machine without AVX-512 has none), or "torch"."""
     if library() is None:
         return "torch"
-    return _SOURCE_TAG + "".join(n.removeprefix("tr_linear_") for n in sorted(_OPTIONAL_HERE))
+    return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE))
 
 
 def status() -> str:
@@ -170,21 +178,26 @@ def _self_check(lib) -> bool:
     out = torch.empty_like(x)
     ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     lib.tr_add_rms_norm(x.data_ptr(), None, w.data_ptr(), 1e-5, 3, 40, out.data_ptr())
-    gate, up = torch.linspace(-90, 90, 301), torch.randn(301, generator=g)
-    ref_silu = torch.nn.functional.silu(gate) * up
-    lib.tr_silu_mul(gate.data_ptr(), up.data_ptr(), 301)
+    gate_up = torch.cat([torch.linspace(-90, 90, 301), torch.randn(301, generator=g)])[None]
+    ref_silu = torch.nn.functional.silu(gate_up[:, :301]) * gate_up[:, 301:]
+    silu = torch.empty(1, 301)
+    lib.tr_silu_mul(gate_up.data_ptr(), 1, 301, silu.data_ptr())
     q, cos, sin = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
     ref_q = q * cos + torch.cat([-q[:, 4:], q[:, :4]], -1) * sin
     queries, keys, values = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
-    lib.tr_rope_store(q.data_ptr(), q.data_ptr(), q.data_ptr(), cos.data_ptr(), sin.data_ptr(), 2, 1, 1, 8, 1.0,
+    lib.tr_rope_store(q.data_ptr(), q.data_ptr(), q.data_ptr(), 8, cos.data_ptr(), sin.data_ptr(), 2, 1, 1, 8, 1.0,
                       queries.data_ptr(), 2, keys.data_ptr(), values.data_ptr(), 16, 0)
     close = functools.partial(torch.allclose, rtol=1e-5, atol=1e-5)
-    return bool(close(out, ref) and close(gate, ref_silu) and close(queries[0], ref_q) and close(keys[0], ref_q)
+    return bool(close(out, ref) and close(silu, ref_silu) and close(queries[0], ref_q) and close(keys[0], ref_q)
                 and torch.equal(values[0], q))
 
 
 def _optional_check(name: str, fn) -> bool:
-    """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs)."""
+    """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs). ``tr_layers`` has
+    no check of its own: it makes the checked calls in the lean forward's order (the suite checks it against that
+    forward made call by call, bit for bit)."""
+    if name not in LINEAR.values():
+        return True
     dtype = next(d for d, n in LINEAR.items() if n == name)
     from .layouts import weight_tiles
     g = torch.Generator().manual_seed(0)
