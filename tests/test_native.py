@@ -79,21 +79,24 @@ def test_each_call_equals_the_torch_operations_it_replaces():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     gate, up = torch.randn(n, 3 * d, generator=g) * 30, torch.randn(n, 3 * d, generator=g)
     expected = torch.nn.functional.silu(gate) * up
-    lib.tr_silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel())
-    torch.testing.assert_close(gate, expected, rtol=1e-5, atol=1e-6)
+    act, gate_up = torch.empty_like(gate), torch.cat([gate, up], 1)  # each row: its gate, then its up
+    lib.tr_silu_mul(gate_up.data_ptr(), n, 3 * d, act.data_ptr())
+    torch.testing.assert_close(act, expected, rtol=1e-5, atol=1e-6)
     heads, kv_heads, dim, past, padded = 4, 2, 16, 7, 12
-    q, k, v = (torch.randn(n, h * dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    joined = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g)  # each row's q, k and v side by side
+    q, k, v = joined.split((heads * dim, kv_heads * dim, kv_heads * dim), 1)
     cos, sin = torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g)
     queries = torch.zeros(kv_heads, padded, dim)
     keys, values = torch.zeros(1, kv_heads, 20, dim), torch.zeros(1, kv_heads, 20, dim)
-    lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), n, heads, kv_heads,
-                      dim, 0.25, queries.data_ptr(), padded, keys.data_ptr(), values.data_ptr(), keys.stride(1), past)
+    lib.tr_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), joined.stride(0), cos.data_ptr(), sin.data_ptr(), n,
+                      heads, kv_heads, dim, 0.25, queries.data_ptr(), padded, keys.data_ptr(), values.data_ptr(),
+                      keys.stride(1), past)
     signed = lean._signed(sin)[:, None]
-    rope_q = lean._rope(q.view(n, heads, dim), cos[:, None], signed) * 0.25
+    rope_q = lean._rope(q.reshape(n, heads, dim), cos[:, None], signed) * 0.25
     got_q = queries[:, :n * 2].view(kv_heads, n, 2, dim).transpose(0, 1).reshape(n, heads, dim)
     torch.testing.assert_close(got_q, rope_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(keys[0, :, past:past + n].transpose(0, 1),
-                               lean._rope(k.view(n, kv_heads, dim), cos[:, None], signed), rtol=1e-6, atol=1e-6)
+                               lean._rope(k.reshape(n, kv_heads, dim), cos[:, None], signed), rtol=1e-6, atol=1e-6)
     assert torch.equal(values[0, :, past:past + n].transpose(0, 1).reshape(n, -1), v)
     assert not keys[0, :, :past].any() and not keys[0, :, past + n:].any()  # nothing written outside the rows
 
@@ -245,3 +248,56 @@ def test_the_c_linear_is_absent_without_the_library(rebuilt, monkeypatch):
     assert native.linear(torch.float16) is None and native.linear(torch.float32) is None
     assert layouts.cache_key(model, "fast") != with_native and "-torch-" in layouts.cache_key(model, "fast")
     assert not {"fp16n", "native"} & set(layouts.available_layouts())
+
+
+@needs_compiler
+@pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
+@pytest.mark.parametrize("mode, name", [("exact", "native"), ("fast", "fp16n")])
+@torch.inference_mode()
+def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch, mode, name):
+    """``tr_layers`` (the body's layers in one C call, where every linear layer runs native.c's kernel) against the
+    lean forward making the same calls one by one: the same bits for a prefill chunk, a chain and a tree, and the same
+    cache; and the chooser puts the body on that layout where its bare calls score as well."""
+    from tr_core.speed import layouts
+    library_here()
+    assert native.stacked() is not None
+    model = tiny_model("llama", dtype=torch.float32)
+    assert lean.fuse(model) and lean.stackable(model)
+    counts = {s: len(ls) for s, ls in layouts.linear_shapes(model).items()}
+    other = "linear" if mode == "exact" else "fp16w"  # faster call by call, slower than the bare calls
+    timings = {(s, r, n): ms for s in counts for r in (1, 2, 4) for n, ms in ((name, 1.0), (other, 0.8))}
+    plan = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
+                             inside={(s, r, name): 0.5 for s in counts for r in (1, 2, 4)})
+    assert plan.stacked and plan.fmt == layouts.LAYOUTS[name].fmt
+    assert {plan.layouts[s][r] for s in counts if s != layouts.HEAD for r in plan.rows} == {name}
+    prepare_model(model, mode, plan)
+    forward = body(model)
+    calls = []
+    real = lean.LeanLlama._stacked
+    monkeypatch.setattr(lean.LeanLlama, "_stacked", lambda self, *a: calls.append(a[2].shape[0]) or real(self, *a))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 69), generator=g)
+    tree = torch.full((1, 1, 3, 69), float("-inf"))  # a root at 66 and its two children at 67, on 66 positions
+    tree[..., :66] = 0
+    for node, seen in enumerate(([0], [0, 1], [0, 2])):
+        tree[0, 0, node, [66 + s for s in seen]] = 0
+
+    def run():
+        cache = new_cache(model.config, 8)  # small: reallocated while the steps run
+        out = [forward(input_ids=ids[:, :64], cache=cache).last_hidden_state,
+               forward(input_ids=ids[:, 64:66], position_ids=torch.tensor([[64, 65]]), cache=cache).last_hidden_state,
+               forward(input_ids=ids[:, 66:69], position_ids=torch.tensor([[66, 67, 67]]), attention_mask=tree,
+                       cache=cache).last_hidden_state]
+        return out + [torch.cat([torch.cat([layer.keys, layer.values]) for layer in cache.layers])]
+
+    in_c = run()
+    assert calls == [64, 2, 3]
+    monkeypatch.setattr(lean.LeanLlama, "stacked", False)
+    from_python = run()
+    assert calls == [64, 2, 3]
+    for a, b in zip(in_c, from_python):
+        assert torch.equal(a, b)
+    # where the bare calls score worse, the layouts stay those chosen call by call, and no pass runs in one call
+    slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
+                               inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})
+    assert not slower.stacked and slower.layouts[next(iter(counts))][1] == other

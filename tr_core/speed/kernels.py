@@ -383,8 +383,25 @@ def kernel_summary(model: nn.Module) -> str:
     head = [(r, plan.layouts[HEAD][r]) for r in plan.rows]
     lean = body(model)
     small = f"; small operations: {lean.small_ops()}" if hasattr(lean, "small_ops") else ""
-    return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(chosen)}; "
+    return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(chosen)}{_stack_note(plan)}; "
             f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads){small}")
+
+
+def _stack_note(plan: KernelPlan) -> str:
+    """Where the body runs as one C call a pass (``layouts.stack_choice``): that, and the one-row step of its linear
+    layers timed inside it against the same kernels called one by one from Python."""
+    if not plan.stacked:
+        return ""
+    name = layouts.STACK_LAYOUTS[plan.fmt]
+    body_shapes = [s for s in plan.counts if s != HEAD]
+    r = plan.rows[0]
+    try:
+        inside = sum(plan.counts[s] * plan.inside[s][r] for s in body_shapes)
+        alone = sum(plan.counts[s] * plan.timings[s][r][name] for s in body_shapes)
+    except KeyError:
+        return ", all layers in one C call a pass"
+    return (f", all layers in one C call a pass (its linear layers {inside:.1f} ms for {r} row inside it, "
+            f"{alone:.1f} ms called one by one)")
 
 
 # model -> its lean forward (lean.LeanLlama), made on first use

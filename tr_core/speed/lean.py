@@ -329,7 +329,7 @@ class LeanLlama:
             return "torch's operations (the native calls take fp32 activations and SiLU)"
         if native.library() is None:
             return f"torch's operations (native calls {native.status()})"
-        return "native calls built for this CPU (one call per norm, rotary, softmax, SiLU)"
+        return "native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU)"
 
     def _native(self, hidden: torch.Tensor):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""

@@ -224,7 +224,7 @@ void tr_attend(const float *queries, int padded, const float *keys, const float 
                float *out, int threads) {
     int m = n * group, heads = kv_heads * group;
     int64_t tasks = (int64_t)kv_heads * m;
-    int many = tasks * (start + BLOCK) * dim > (1 << 20);
+    int many = tasks * (start + BLOCK) * dim > (1 << 16);
 #pragma omp parallel num_threads(threads) if(many)
     {
         float *w = malloc(sizeof(float) * (start + BLOCK));
