@@ -229,8 +229,8 @@ def _native(lib, scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowK
     if k.stride()[1:] != (dim, 1) or v.stride() != k.stride():  # rows of D floats, the same per head in both
         k, v = k.contiguous(), v.contiguous()
     # what the C reads without checking: fp32 buffers of these layouts, and every key the rows' windows name
-    if not (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.shape[1] >= rows.keys and rows.index.dtype == torch.int64
-            and rows.valid.dtype == torch.bool):
+    if not (k.dtype == v.dtype == torch.float32 and k.shape == v.shape and k.shape[1] >= rows.keys
+            and rows.index.dtype == torch.int64 and rows.valid.dtype == torch.bool):
         raise ValueError(f"native attention: fp32 keys and values of rows of {dim} holding {rows.keys} keys "
                          f"expected, got {k.dtype} {tuple(k.shape)} {k.stride()} and {v.dtype} {tuple(v.shape)} "
                          f"{v.stride()}")

@@ -445,12 +445,12 @@ class LeanLlama:
         gate_up, act, delta = new(n, 2 * inter), new(n, inter), new(n, d)
         norm = self.base.norm
         kv = torch.tensor(kv, dtype=torch.int64)  # held until the call returns
-        native.stacked()(len(layers), weights.data_ptr(), eps.data_ptr(), kv.data_ptr(), past, int(f16), d, heads, kv_heads, dim,
-                         inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         scratch.queries.data_ptr(), scratch.queries.shape[1], rows.start, rows.index.data_ptr(),
-                         rows.valid.data_ptr(), qkv.data_ptr(), att.data_ptr(), o.data_ptr(), gate_up.data_ptr(),
-                         act.data_ptr(), delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
-                         torch.get_num_threads())
+        native.stacked()(
+            len(layers), weights.data_ptr(), eps.data_ptr(), kv.data_ptr(), past, int(f16), d, heads, kv_heads, dim,
+            inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            scratch.queries.data_ptr(), scratch.queries.shape[1], rows.start, rows.index.data_ptr(),
+            rows.valid.data_ptr(), qkv.data_ptr(), att.data_ptr(), o.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+            delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, torch.get_num_threads())
         return x
 
     def _rope_store(self, lib, layer, like: torch.Tensor, joined: torch.Tensor,
