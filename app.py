@@ -331,19 +331,22 @@ class Handlers:
                    lanes_html=lanes_html(race.runs, None, race.tree, race.hidden))
 
     @user_errors
-    def load_model(self, model_id: str, session: Session = None):
-        """Load a model (a hub id, a local folder where allowed; empty: the embedded one) and say how it went, in
-        the page; a model that does not load ends as an error for an API caller, and the session keeps the model
-        it had (the page's Model box goes back to it)."""
+    def load_model(self, model_id: str, session: Session = None, mode: str = "exact"):
+        """Load a model (a hub id, a local folder where allowed; empty: the embedded one) in ``mode`` (the tab's
+        selected one) and say how it went, in the page, with the kernels of that mode; a model that does not load
+        ends as an error for an API caller, and the session keeps the model it had (the page's Model box goes back
+        to it)."""
         session = session if isinstance(session, Session) else Session()
-        yield from _shown_errors(self._load(model_id, session), lambda message: (
+        yield from _shown_errors(self._load(model_id, session, mode), lambda message: (
             f"**Not loaded.** {message} Runs keep {model_name(session.model_id)}."))
 
-    def _load(self, model_id: str, session: Session):
+    def _load(self, model_id: str, session: Session, mode: str):
         model_id = check_model_id(model_id, self.allow_local_models)
-        if not self.models.loaded(model_id):
+        if mode not in MODES:
+            raise InputError(f"The mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}.")
+        if not self.models.loaded(model_id, mode):
             yield f"Loading {model_name(model_id)}…"
-        described = self.models.describe(model_id)
+        described = self.models.describe(model_id, mode)
         session.model_id = model_id
         yield f"**Loaded** {described}."
 
@@ -616,7 +619,8 @@ def wire_race(h: Handlers, racing: dict, live: dict, out: dict) -> None:
     racing["stop"].click(h.stop, None, None, api_visibility="private", queue=False)
     for i, tab in enumerate((live, racing)):
         box = tab["panel"]["model_id"]
-        tab["panel"]["load"].click(h.load_model, [box, out["session"]], [tab["panel"]["model_status"]],
+        tab["panel"]["load"].click(h.load_model, [box, out["session"], tab["panel"]["mode"]],
+                                   [tab["panel"]["model_status"]],
                                    show_progress="hidden", **({"api_name": "load_model"} if i == 0 else
                                                               {"api_visibility": "private"}), **MODEL_WORK, **RAW
                                    ).then(h.kept_model, [out["session"]], [box], api_visibility="private")

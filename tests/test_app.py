@@ -781,6 +781,9 @@ def test_fast_mode_decodes_on_its_own_copy_in_the_format_measured_fastest(client
     assert half_precision(app_models.get("").model) is None  # exact mode keeps its own fp32 model
     details = client.predict("", api_name="/load_model")
     assert "exact (fp32)" in details and "fast (" in details  # the model details name each mode's kernels
+    # the mode selected in the tab comes first
+    assert client.predict("", "fast", api_name="/load_model").split("on this machine: ", 1)[1].startswith("fast (")
+    assert client.predict("", "exact", api_name="/load_model").split("on this machine: ", 1)[1].startswith("exact (")
 
 
 def test_sessions_do_not_share_runs(client, served):
@@ -1045,6 +1048,12 @@ def test_a_model_that_does_not_load_leaves_the_session_on_its_model():
     assert shown[-1].startswith("**Not loaded.** could not load model id 'no-such-org/no-such-model'")
     assert shown[-1].endswith("Runs keep the embedded SmolLM2-135M-Instruct.")
     assert handlers.kept_model(session) == "" and session.model_id == ""  # the page's Model box goes back to it
+
+
+def test_load_model_refuses_a_mode_it_does_not_have():
+    handlers = app.Handlers(ModelCache(load=lambda model_id, config: None), TREES)
+    with pytest.raises(app.gr.Error, match="The mode must be one of exact, fast; got 'turbo'"):
+        list(handlers.load_model("", Session(model_id=""), "turbo"))
 
 
 def test_empty_figures_and_the_history_fit_a_phone():

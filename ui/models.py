@@ -143,12 +143,12 @@ class ModelCache:
     def describe(self, model_id: str | None = "", mode: str = "exact") -> str:
         """What a loaded model is and runs on, e.g. ``"org/model: 135M parameters, vocabulary 49152, loaded in 2.1 s.
         Kernels, chosen by measurement on this machine: exact (fp32): body ...; fast (fp16 weights): ..."``: the
-        model in ``mode`` (loaded if it is not), and each of its modes loaded so far."""
+        model in ``mode`` (loaded if it is not), and each of its modes loaded so far, ``mode``'s first."""
         name = (model_id or "").strip()
         engine = self.get(name, mode)
         params = sum(p.numel() for p in engine.model.parameters()) / 1e6
         kernels = []
-        for m in MODES:
+        for m in sorted(MODES, key=lambda m: m != mode):
             loaded = self._engines.get((name, m))
             if loaded is not None:
                 why = mode_dtype(m, loaded.model)[1]
