@@ -297,6 +297,15 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     assert calls == [64, 2, 3]
     for a, b in zip(in_c, from_python):
         assert torch.equal(a, b)
+    # a norm's weight given new memory (as kernels.own_weights does): the one call reads the new one
+    norm = model.base_model.layers[1].post_attention_layernorm.weight
+    norm.data = norm.data * 1.5
+    monkeypatch.setattr(lean.LeanLlama, "stacked", True)
+    moved = run()
+    assert len(calls) == 6 and not torch.equal(moved[0], in_c[0])
+    monkeypatch.setattr(lean.LeanLlama, "stacked", False)
+    for a, b in zip(moved, run()):
+        assert torch.equal(a, b)
     # where the bare calls score worse, the layouts stay those chosen call by call, and no pass runs in one call
     slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
                                inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})

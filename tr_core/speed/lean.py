@@ -219,6 +219,11 @@ def _layer_calls(layer: nn.Module) -> tuple:
             _joined(attn, qkv_name, qkv_names), _joined(mlp, gate_up_name, gate_up_names))
 
 
+def _norm_pointers(calls: tuple) -> tuple[int, ...]:
+    """Where the norms' weights of ``LeanLlama._layers``' calls lie in memory now."""
+    return tuple(t.data_ptr() for row in calls for t in (row[0], row[4]))
+
+
 def _rows(out: torch.Tensor) -> None:
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"the native forward takes contiguous fp32 linear outputs, not {out.dtype} "
@@ -388,19 +393,23 @@ class LeanLlama:
 
     def _program(self, n: int):
         """For passes of ``n`` rows: (per layer the pointers tr_layers reads, as an int64 tensor (layers, 6); the
-        norms' epsilons (layers, 2) fp32; whether the weights are fp16; the intermediate size), where every linear
-        layer runs native.c's kernel for ``n`` rows (the tiles of one dtype) and ``tr_layers`` is built here; else
-        None. Made once per row count (and again after the linears were swapped)."""
+        norms' epsilons (layers, 2) fp32; whether the weights are fp16; the intermediate size; the tensors pointed to;
+        where the norms' weights lay), where every linear layer runs native.c's kernel for ``n`` rows (the tiles of
+        one dtype) and ``tr_layers`` is built here; else None. Made once per row count, and again after the linears
+        were swapped or a norm's weight moved."""
         calls = self._layers()
         programs = self._collected[4]
-        if n not in programs:
-            programs[n] = self._make_program(n, calls)
-        return programs[n]
+        program = programs.get(n, False)
+        if program is False or (program is not None and program[5] != _norm_pointers(calls)):
+            # first use, or a norm's weight was given new memory (``param.data = ...``, as ``kernels.own_weights``
+            # does) since the pointers were taken
+            program = programs[n] = self._make_program(n, calls)
+        return program
 
     def _make_program(self, n: int, calls) -> tuple | None:
         if native.stacked() is None or not self.silu:
             return None
-        pointers, eps, dtypes, inter = [], [], set(), None
+        pointers, eps, dtypes, inter, all_tiles = [], [], set(), None, []
         for layer, (w1, eps1, _, _, w2, eps2, _, _, _, _, _) in zip(self.base.layers, calls):
             attn, mlp = layer.self_attn, layer.mlp
             linears = [getattr(attn, FUSED[0][1], None), attn.o_proj, getattr(mlp, FUSED[1][1], None), mlp.down_proj]
@@ -412,6 +421,7 @@ class LeanLlama:
                     return None
                 tiles.append(packed)
             dtypes.update(t.tiles.dtype for t in tiles)
+            all_tiles += tiles
             inter = tiles[3].in_features
             if not (w1.dtype == w2.dtype == torch.float32 and w1.is_contiguous() and w2.is_contiguous()):
                 return None
@@ -420,12 +430,14 @@ class LeanLlama:
             eps.append([eps1, eps2])
         if len(dtypes) != 1 or dtypes - {torch.float16, torch.float32}:
             return None
-        # the tiles and norms are held by the layers; the program is dropped with them (``_layers`` collects anew)
+        # the tiles and norms' memory is also held here (the layers may let go of it); the program is made anew after
+        # the linears were swapped (``_layers``) or a norm's memory changed (``_program``)
+        held = [t.detach() for row in calls for t in (row[0], row[4])] + [t.tiles for t in all_tiles]
         return (torch.tensor(pointers, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
-                dtypes == {torch.float16}, inter)
+                dtypes == {torch.float16}, inter, held, _norm_pointers(calls))
 
     def _stacked(self, lib, program, hidden, x, cos, sin, scratch, rows, layers, like) -> torch.Tensor:
-        weights, eps, f16, inter = program
+        weights, eps, f16, inter = program[:4]
         n, d = hidden.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         kv, past = [], None
