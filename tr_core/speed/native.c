@@ -26,12 +26,13 @@ static float sum_lanes(float *acc) {
     return acc[0];
 }
 
-static float sum_squares(const float *x, int d) {
+/* a . b over d floats, in LANES accumulators combined pairwise. */
+static float dot(const float *a, const float *b, int d) {
     float acc[LANES] = {0};
     int i = 0;
     for (; i + LANES <= d; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
-    for (int j = 0; i < d; i++, j++) acc[j] += x[i] * x[i];
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; i < d; i++, j++) acc[j] += a[i] * b[i];
     return sum_lanes(acc);
 }
 
@@ -66,7 +67,7 @@ void tr_add_rms_norm(float *x, const float *delta, const float *weight, float ep
             const float *add = delta + (int64_t)r * d;
             for (int i = 0; i < d; i++) row[i] += add[i];
         }
-        float scale = 1.0f / sqrtf(sum_squares(row, d) / (float)d + eps);
+        float scale = 1.0f / sqrtf(dot(row, row, d) / (float)d + eps);
         float *o = out + (int64_t)r * d;
         for (int i = 0; i < d; i++) o[i] = weight[i] * (row[i] * scale);
     }
@@ -108,15 +109,6 @@ void tr_rope_store(const float *q, const float *k, const float *v, int64_t strid
             memcpy(value_buf + at, v + r * stride + (int64_t)kv * dim, sizeof(float) * dim);
         }
     }
-}
-
-static float dot(const float *a, const float *b, int d) {
-    float acc[LANES] = {0};
-    int i = 0;
-    for (; i + LANES <= d; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (int j = 0; i < d; i++, j++) acc[j] += a[i] * b[i];
-    return sum_lanes(acc);
 }
 
 /* A row's scores: w[j] = q . keys[j] for the shared keys j < start, then w[start + j] = q . keys[idx[j]] for its
