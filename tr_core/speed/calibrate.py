@@ -27,7 +27,16 @@ from ..tree import build_tree, load_template
 from . import attention, kv, layouts, lean, native
 from . import kernels as kernels_module
 from .attention import BLOCK
-from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, plan_of, window
+from .kernels import (
+    OutputHead,
+    body,
+    cache_dtype,
+    feed,
+    grouped_query_attention_in_sdpa,
+    parameter_count,
+    plan_of,
+    window,
+)
 from .kv import new_cache
 from .layouts import cpu_name, source_digest
 
@@ -254,7 +263,7 @@ def cached_bandwidth_gbs() -> float:
 def streamed_parameters(model: PreTrainedModel) -> int:
     """The weights one decoding step reads: every parameter, but of the input embedding only one row a token (it
     counts where the output layer shares it, as the output layer reads it whole)."""
-    total = sum(p.numel() for p in model.parameters())
+    total = parameter_count(model)  # in the fp16 format the linear layers keep only packed weights
     embedding = model.get_input_embeddings().weight
     shared = embedding is model.get_output_embeddings().weight
     return total if shared else total - embedding.numel()

@@ -223,6 +223,14 @@ class ChosenLinear(nn.Module):
                 f"{self.fmt}: {', '.join(self.layouts)}")
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters, a linear layer's weight counted also where only its packed copy is kept (the fp16
+    format drops the fp32 weight: ``ChosenLinear``), so a prepared model counts as many as it had before."""
+    total = sum(p.numel() for p in model.parameters())
+    return total + sum(m.in_features * m.out_features for m in model.modules()
+                       if isinstance(m, ChosenLinear) and m.weight is None)
+
+
 # model -> its KernelPlan, once prepared; kept beside the model, not in it
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, KernelPlan]" = weakref.WeakKeyDictionary()
 # model -> its output layer's dispatch (per-row-count table, beyond), made with the plan
