@@ -1085,6 +1085,13 @@ def test_the_default_mode_is_the_one_measured_faster_here(monkeypatch, tmp_path)
 
     monkeypatch.setattr(models_module, "default_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(models_module, "machine_key", lambda model: "this-machine")
+    # measured while other work used the cores: used by this process, not kept for the next start
+    monkeypatch.setattr(models_module, "runnable_threads", lambda: 9)
+    busy = ModelCache(load=fake_load)
+    assert busy.measure_modes()[1].endswith("measured while other work used the cores: measured again at the next "
+                                            "start")
+    assert busy.default_mode()[0] == "fast" and not (tmp_path / "calibration").exists()
+    monkeypatch.setattr(models_module, "runnable_threads", lambda: 1)  # a quiet machine from here on
     models = ModelCache(load=fake_load)
     assert models.default_mode() == ("exact", "the modes' speeds are not measured yet here")
     mode, why = models.measure_modes()
