@@ -62,12 +62,18 @@ class RowKeys:
     keys: int = 0  # how many keys the layer holds once the step's are appended (every index is below it)
 
     def __post_init__(self):
-        # made once per forward pass, used by every layer: the window's keys flattened, and ``index`` and ``~valid``
-        # with each row repeated ``group`` times (its query heads of one kv head)
-        object.__setattr__(self, "flat", self.index.flatten())
-        object.__setattr__(self, "grouped", (self.index.repeat_interleave(self.group, 0),
-                                             ~self.valid.repeat_interleave(self.group, 0)))
         object.__setattr__(self, "buffers", {})  # attend's scratch buffers, shared by the layers of one pass
+
+    # made once per forward pass where torch's operations read them (the native calls do not), used by every layer:
+    # the window's keys flattened, and ``index`` and ``~valid`` with each row repeated ``group`` times (its query
+    # heads of one kv head)
+    @functools.cached_property
+    def flat(self) -> torch.Tensor:
+        return self.index.flatten()
+
+    @functools.cached_property
+    def grouped(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.index.repeat_interleave(self.group, 0), ~self.valid.repeat_interleave(self.group, 0)
 
 
 def window_start(position: int) -> int:
@@ -103,6 +109,10 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     index = torch.zeros(n, BLOCK, dtype=torch.long, device=device)
     valid = torch.zeros(n, BLOCK, dtype=torch.bool, device=device)
     cached = past - start
+    if n == 1 and visible is None and lo == past:  # a plain step: its window's cached keys, then its own (as below)
+        index[0, :cached + 1] = torch.arange(start, past + 1, device=device)
+        valid[0, :cached + 1] = True
+        return RowKeys(start, index, valid, group, past + 1)
     if cached:
         index[:, :cached] = torch.arange(start, past, device=device)
         valid[:, :cached] = True
