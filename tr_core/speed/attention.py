@@ -21,8 +21,7 @@ per row depends only on that row's inputs, on a fixed layout of the keys:
   then its window's (one maximum, one sum, over ``start + BLOCK`` entries laid out alike for every row), in fp32.
 - Where the C library is built (``native.py``), the same layout is computed in one call, ``tr_attend``: each (row,
   query head) by one thread alone, its scores, softmax and weighted values in a fixed order, so it is row-invariant by
-  construction; a one-token step's attention took ~110 us a layer in torch's operations and ~45 us in that call
-  here (257 keys).
+  construction (measured against torch's operations: docs/speed.md, "The whole pass in one C call").
 - Rows of one call must lie in one window (``row_keys`` raises otherwise): the decoding loop cuts a draft tree's
   depth at the window's end (``window_room``) and prefills in chunks aligned to ``BLOCK``.
 

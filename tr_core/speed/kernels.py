@@ -213,8 +213,7 @@ class ChosenLinear(nn.Module):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` for ``x`` already (rows, in_features) and contiguous (the lean forward's activations): the
         same kernel call without the reshapes."""
-        rows = x.shape[0]
-        run, packed = self._table[rows] if rows < len(self._table) else self._large
+        run, packed = self.kernel_for(x.shape[0])
         out = run(x, packed)
         return out if self.bias is None else out + self.bias
 
