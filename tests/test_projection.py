@@ -67,3 +67,22 @@ def test_the_a100_profile_against_the_papers_vicuna_7b():
     check = paper_check()
     assert PAPER["tokens_per_pass"] == 2.70 and PAPER["speedup"] == 2.03
     assert check == {"device": "A100", "modelled": 2.7, "measured": 2.03, "error": 0.33}
+
+
+def test_a_run_summary_and_its_projection_row_agree_on_the_measured_speedup():
+    # 100 tokens in 1.0 s against plain's 172.5642 tokens/s: 0.579495..., which rounds to 0.5795 and then 0.58, where
+    # rounding the raw ratio to 3 places would give 0.579 (CI once saw exactly that pair on the page's figures)
+    from tr_core.events import Rates, StepEvent
+    from ui.records import Baseline
+    from ui.summaries import run_summary
+
+    event = StepEvent(step=1, method="tr", tree_name="small", tree_tokens=[1] * 3, tree_parents=[-1, 0, 1],
+                      tree_ranks=[0] * 3, tree_text=[""] * 3, predicted=[0] * 3, accepted_path=[0], bonus_token=0,
+                      new_tokens=[0, 0], new_text="")
+    profile = {"parameters": 134.5e6, "layers": 30, "curve": {1: 10.0, 16: 30.0}, "bandwidth_gbs": 30.0,
+               "bytes_per_weight": 2}
+    summary = run_summary("tr", "small", [event], Rates(tokens=100, steps=50, seconds=1.0),
+                          Baseline(172.5642, 5.8, "measured beside the run"), "", profile)
+    assert summary["speedup"] == 0.5795
+    here = summary["projection"][0]
+    assert here["device"] == "this machine" and here["speedup"] == round(summary["speedup"], 3) == 0.58
