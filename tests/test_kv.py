@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from tr_core.speed.kv import PreallocatedLayer, _on_store, keep_accepted_path, new_cache
+from tr_core.speed.kv import PreallocatedLayer, _store_length, extend_on_store, keep_accepted_path, new_cache
 
 
 def test_preallocated_cache_grows_crops_and_adopts_replaced_tensors():
@@ -43,7 +43,7 @@ def test_one_store_for_all_layers_keeps_the_same_path_as_layer_by_layer():
     config = tiny_model("llama").config  # 2 layers, 2 key/value heads, head dim 16
     on_store = _filled(new_cache(config, 64, torch.float32), 20)
     per_layer = _filled(new_cache(config, 64), 20)
-    assert _on_store(on_store) and not _on_store(per_layer)
+    assert _store_length(on_store) == 20 and _store_length(per_layer) is None
     store = on_store.kv_store
     assert store.shape == (4, 2, 64, 16)
     path = torch.tensor([0, 2, 5])  # a 7-node tree after 13 context positions
@@ -51,7 +51,7 @@ def test_one_store_for_all_layers_keeps_the_same_path_as_layer_by_layer():
         keep_accepted_path(cache, 13, 7, path)
     for a, b in zip(on_store.layers, per_layer.layers):
         assert a.keys.shape[-2] == 16 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert on_store.kv_store is store and _on_store(on_store)
+    assert on_store.kv_store is store and _store_length(on_store) == 16
     # a layer whose tensors were replaced from outside leaves the store; the cache then keeps paths layer by layer
     layer = on_store.layers[1]
     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
@@ -59,11 +59,30 @@ def test_one_store_for_all_layers_keeps_the_same_path_as_layer_by_layer():
         for each in cache.layers:
             each.update(torch.ones(1, 2, 4, 16), torch.ones(1, 2, 4, 16))
         assert cache.layers[1].keys.shape[-2] == 20
-    assert not _on_store(on_store)
+    assert _store_length(on_store) is None
     for cache in (on_store, per_layer):
         keep_accepted_path(cache, 16, 4, torch.tensor([0, 3]))
     for a, b in zip(on_store.layers, per_layer.layers):
         assert a.keys.shape[-2] == 18 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_extend_on_store_counts_the_rows_in_every_layer_as_extend_does():
+    config = tiny_model("llama").config  # 2 layers, 2 key/value heads, head dim 16
+    fast, each = (_filled(new_cache(config, 24, torch.float32), 20) for _ in range(2))
+    past, pointers = extend_on_store(fast, 3)
+    held = [layer.extend(torch.empty(1, 2, 3, 16)) for layer in each.layers]
+    assert past == 20 and {start for _, _, start in held} == {20}
+    assert [layer.get_seq_length() for layer in fast.layers] == [layer.get_seq_length() for layer in each.layers]
+    store = fast.kv_store  # the addresses handed out are the layers' own buffers in the store
+    expected = [(layer._key_buf.data_ptr(), layer._value_buf.data_ptr(), 24 * 16) for layer in fast.layers]
+    assert pointers.tolist() == [list(row) for row in expected] and pointers.dtype == torch.int64
+    assert expected[0][0] == store.data_ptr() and extend_on_store(fast, 1)[1] is pointers  # made once per store
+    # full (24 positions): no room for one more, and nothing changes (the layer-by-layer extend reallocates)
+    assert extend_on_store(fast, 1) is None and [layer.get_seq_length() for layer in fast.layers] == [24, 24]
+    # layers of different lengths, or a layer off the store: None
+    fast.layers[1].cut(22)
+    assert extend_on_store(fast, 1) is None
+    assert extend_on_store(_filled(new_cache(config, 64), 5), 1) is None
 
 
 def test_extend_hands_out_room_and_refits_buffers_that_do_not_match():

@@ -120,3 +120,25 @@ def test_prepare_model_fuses_where_it_measures_the_fused_shapes():
 def kernels_table_shapes(model) -> set[str]:
     from tr_core.speed.kernels import kernel_table
     return {row["shape"] for row in kernel_table(model)}
+
+
+def test_a_plain_steps_rotary_row_is_the_modules_own_for_that_position_alone():
+    # the one-row pass reads its (cos, sin) from the module's output for the 64 positions around it (made once per
+    # block): bit for bit what the module gives for the position alone, in fp32 and bf16, across blocks
+    model = tiny_model("llama")
+    lean = LeanLlama(model)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.zeros(1, 1, model.config.hidden_size, dtype=dtype)
+        with torch.inference_mode():
+            for position in (0, 1, 63, 64, 65, 130, 191, 1000, 4095, 40_000):
+                ids = torch.tensor([[position]])
+                cos, sin = lean._rotary(hidden, ids)
+                alone = lean.rotary(hidden, ids)
+                assert cos.shape == alone[0].shape and cos.is_contiguous() and cos.dtype == dtype
+                assert torch.equal(cos, alone[0]) and torch.equal(sin, alone[1]), position
+                assert lean._rotary(hidden, ids)[0] is cos  # kept
+    # with gradients on, or for several rows, the module itself
+    ids = torch.tensor([[5, 6]])
+    assert torch.equal(lean._rotary(hidden, ids)[0], lean.rotary(hidden, ids)[0])
+    with torch.enable_grad():
+        assert lean._rotary(hidden, torch.tensor([[7]]))[0] is not lean._rotary(hidden, torch.tensor([[7]]))[0]

@@ -105,13 +105,12 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     if lo < past or hi >= start + BLOCK:
         raise WindowError(f"rows at positions {lo}..{hi} on {past} cached ones: a forward pass's rows must lie in "
                           f"one window of {BLOCK} positions ({start}..{start + BLOCK - 1})")
-    index = torch.zeros(n, BLOCK, dtype=torch.long, device=device)
-    valid = torch.zeros(n, BLOCK, dtype=torch.bool, device=device)
     cached = past - start
     if n == 1 and visible is None and lo == past:  # a plain step: its window's cached keys, then its own (as below)
-        index[0, :cached + 1] = torch.arange(start, past + 1, device=device)
-        valid[0, :cached + 1] = True
-        return RowKeys(start, index, valid, group, past + 1)
+        index, valid = _plain_rows(start, str(device))
+        return RowKeys(start, index[cached:cached + 1], valid[cached:cached + 1], group, past + 1)
+    index = torch.zeros(n, BLOCK, dtype=torch.long, device=device)
+    valid = torch.zeros(n, BLOCK, dtype=torch.bool, device=device)
     if cached:
         index[:, :cached] = torch.arange(start, past, device=device)
         valid[:, :cached] = True
@@ -122,6 +121,16 @@ def row_keys(past: int, positions: torch.Tensor, visible: torch.Tensor | None, g
     index[rows, offsets] = past + cols
     valid[rows, offsets] = True
     return RowKeys(start, index, valid, group, past + n)
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_rows(start: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every plain step's key layout in the window at ``start``: row ``c`` is the row at position ``start + c``
+    (``row_keys``' layout: the window's keys ``start .. start + c``, zeros after them), made once per window and
+    read as views (a plain step then makes no tensor of its own; nothing writes into a ``RowKeys``)."""
+    valid = torch.ones(BLOCK, BLOCK, dtype=torch.bool, device=device).tril()
+    index = torch.arange(start, start + BLOCK, device=device).expand(BLOCK, BLOCK) * valid
+    return index.contiguous(), valid
 
 
 def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -136,20 +145,39 @@ def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 KINDS = {"bmm-4": (torch.bmm, 4), "bmm-16": (torch.bmm, 16), "onednn": (_onednn, 2)}
 
 
-@dataclass
 class _Scratch:
     """Zeroed fp32 buffers kept with a ``RowKeys`` for all layers of one forward pass, and the views of them every
     layer uses: each layer overwrites the step's ``m`` leading rows, and the rows after them stay zero (the padding
     the products run on). ``queries`` (Hkv, padded, D) and its step rows as (Hkv, n, group, D); of the weights
     (Hkv, padded, start + BLOCK: the scores, then the softmax's weights), the step's rows ``step``, their shared part
-    ``shared`` and window ``own``, and ``padded_shared`` (all rows' shared part, the shared product's input)."""
+    ``shared`` and window ``own``, and ``padded_shared`` (all rows' shared part, the shared product's input). The
+    weights are made where torch's products first read them (the native calls use only the queries)."""
 
-    queries: torch.Tensor
-    step_queries: torch.Tensor
-    step: torch.Tensor
-    shared: torch.Tensor
-    own: torch.Tensor
-    padded_shared: torch.Tensor
+    def __init__(self, kv_heads: int, n: int, group: int, dim: int, padded: int, start: int, device):
+        self.m, self.start, self.device = n * group, start, device
+        self.queries = torch.zeros(kv_heads, padded, dim, dtype=torch.float32, device=device)
+        self.step_queries = self.queries[:, :self.m].view(kv_heads, n, group, dim)
+
+    @functools.cached_property
+    def _weights(self) -> torch.Tensor:
+        kv_heads, padded = self.queries.shape[:2]
+        return torch.zeros(kv_heads, padded, self.start + BLOCK, dtype=torch.float32, device=self.device)
+
+    @functools.cached_property
+    def step(self) -> torch.Tensor:
+        return self._weights[:, :self.m]
+
+    @functools.cached_property
+    def shared(self) -> torch.Tensor:
+        return self.step[:, :, :self.start]
+
+    @functools.cached_property
+    def own(self) -> torch.Tensor:
+        return self.step[:, :, self.start:]
+
+    @functools.cached_property
+    def padded_shared(self) -> torch.Tensor:
+        return self._weights[:, :, :self.start]
 
 
 def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padded: int, device) -> _Scratch:
@@ -157,12 +185,7 @@ def scratch_for(rows: RowKeys, kv_heads: int, n: int, group: int, dim: int, padd
     key = (kv_heads, n, group, dim, padded)
     scratch = rows.buffers.get(key)
     if scratch is None:
-        m, start = n * group, rows.start
-        queries = torch.zeros(kv_heads, padded, dim, dtype=torch.float32, device=device)
-        weights = torch.zeros(kv_heads, padded, start + BLOCK, dtype=torch.float32, device=device)
-        step = weights[:, :m]
-        scratch = rows.buffers[key] = _Scratch(queries, queries[:, :m].view(kv_heads, n, group, dim), step,
-                                               step[:, :, :start], step[:, :, start:], weights[:, :, :start])
+        scratch = rows.buffers[key] = _Scratch(kv_heads, n, group, dim, padded, rows.start, device)
     return scratch
 
 

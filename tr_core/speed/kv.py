@@ -147,16 +147,37 @@ def new_cache(config: PretrainedConfig, capacity: int, dtype: torch.dtype | None
     return cache
 
 
-def _on_store(cache: DynamicCache) -> bool:
-    """True while every layer's keys and values are still in ``cache.kv_store`` (a layer that outgrew it, or whose
-    tensors were replaced, has left it)."""
+def _store_length(cache: DynamicCache) -> int | None:
+    """The positions every layer holds, where all of them still hold their keys and values in ``cache.kv_store``
+    and hold the same number; else None (a layer that outgrew the store, or whose tensors were replaced, has left
+    it)."""
     starts = getattr(cache, "kv_store_starts", None)
     if starts is None:
-        return False
+        return None
+    length = cache.layers[0]._length[0]
     for layer, (k, v) in zip(cache.layers, starts):  # a layer's buffers are replaced, never changed, when it grows
-        if not (layer._key_buf is k and layer._value_buf is v and layer.owns()):
-            return False
-    return True
+        if not (layer._key_buf is k and layer._value_buf is v and layer.owns() and layer._length[0] == length):
+            return None
+    return length
+
+
+def extend_on_store(cache: DynamicCache, n: int) -> tuple[int, torch.Tensor] | None:
+    """``n`` more positions counted in every layer at once, where all of them hold their keys and values in
+    ``cache.kv_store`` with one length (``_store_length``) and it has room for ``n`` more: returns the
+    first new position and, per layer, the addresses of its key and value buffers and their floats per kv head (an
+    int64 (layers, 3) tensor, made once per store), which the caller fills as ``PreallocatedLayer.extend``'s. Else
+    None, with nothing changed (``extend`` each layer)."""
+    past = _store_length(cache)
+    store = cache.kv_store
+    if past is None or past + n > store.shape[-2]:
+        return None
+    for layer in cache.layers:
+        layer._length = [past + n, past + n]
+    held = getattr(cache, "kv_pointers", None)
+    if held is None or held[0] != store.data_ptr():
+        rows = [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in cache.kv_store_starts]
+        held = cache.kv_pointers = (store.data_ptr(), torch.tensor(rows, dtype=torch.int64))
+    return past, held[1]
 
 
 def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path: torch.Tensor) -> None:
@@ -171,7 +192,7 @@ def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path:
     if tree_size == kept:
         return
     moved = path.tolist() != list(range(kept))
-    if _on_store(cache):  # all layers at once: one gather, one write, then each layer's views shortened
+    if _store_length(cache) is not None:  # all layers at once: one gather, one write, then each layer's views cut
         store = cache.kv_store
         if moved:
             store.narrow(-2, past_len, kept).copy_(store.index_select(-2, past_len + path))

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import attention, layouts, native
+from . import attention, kv, layouts, native
 
 
 def supports(model: nn.Module) -> bool:
@@ -249,6 +249,7 @@ class LeanLlama:
         self.silu = getattr(config, "hidden_act", None) == "silu"
         # (swaps, id of the layer list, the list, per layer its calls, per row count its tr_layers program): ``_layers``
         self._collected = None
+        self._one_row_rotary: dict = {}  # ``_rotary``'s: (block, dtype, device, inv_freq's memory) -> rows' (cos, sin)
 
     @property
     def window(self) -> int | None:
@@ -259,6 +260,28 @@ class LeanLlama:
                 and attention.batch_invariant(self.heads, self.kv_heads, self.head_dim)):
             return attention.BLOCK
         return None
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's ``(cos, sin)`` for ``position_ids``. A one-row pass (a plain step) reads its row from
+        the module's output for the ``attention.BLOCK`` positions around it, made once per block and kept: the
+        module computes each position alone (one product, then cos and sin, per element), so the row is the one it
+        gives for the position alone (test_lean.py checks it bit for bit), without its ~10 operations a step. For the
+        default rotary type only (the others may change their frequencies as they go)."""
+        if (position_ids.numel() != 1 or torch.is_grad_enabled()
+                or getattr(self.rotary, "rope_type", None) != "default"):
+            return self.rotary(hidden, position_ids)
+        position = int(position_ids)
+        block, offset = divmod(position, attention.BLOCK)
+        key = (block, hidden.dtype, hidden.device, self.rotary.inv_freq.data_ptr())
+        rows = self._one_row_rotary.get(key)
+        if rows is None:
+            if len(self._one_row_rotary) >= 1024:  # 64k positions' worth; then made afresh
+                self._one_row_rotary.clear()
+            first = block * attention.BLOCK
+            ids = torch.arange(first, first + attention.BLOCK, device=position_ids.device)[None]
+            cos, sin = self.rotary(hidden, ids)
+            rows = self._one_row_rotary[key] = [(cos[:, i:i + 1], sin[:, i:i + 1]) for i in range(attention.BLOCK)]
+        return rows[offset]
 
     def _layers(self) -> tuple:
         """Per layer, what a step calls: norms' weights and epsilons, the linears' calls, the activation. Collected
@@ -286,11 +309,11 @@ class LeanLlama:
                 visible = attention_mask[0, 0, :, past:]
                 visible = visible if visible.dtype == torch.bool else visible == 0
             rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
-        cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = self._rotary(hidden, position_ids)
         if rows is not None:
             lib = self._native(hidden)
             if lib is not None:
-                return LeanOutput(self._windowed_native(lib, hidden[0], cos[0], sin[0], rows, cache.layers)[None])
+                return LeanOutput(self._windowed_native(lib, hidden[0], cos[0], sin[0], rows, cache)[None])
             sin = _signed(sin)
             return LeanOutput(self._windowed(hidden[0], cos[0, :, None], sin[0, :, None], rows, cache.layers)[None])
         sin = _signed(sin)
@@ -343,7 +366,7 @@ class LeanLlama:
         return native.library()
 
     def _windowed_native(self, lib, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         rows: attention.RowKeys, layers) -> torch.Tensor:
+                         rows: attention.RowKeys, cache) -> torch.Tensor:
         """``_windowed`` with the small operations in ``native.c``'s calls (the same model, other float roundings):
         ``hidden`` (n, d) fp32, modified in place; ``cos``, ``sin`` (n, head_dim), ``sin`` as the model gives it.
         Where every linear layer of the pass is native.c's and the cache preallocated, the whole stack of layers is
@@ -353,13 +376,14 @@ class LeanLlama:
         group = heads // kv_heads
         product, pad = attention.KINDS[attention.batch_invariant(heads, kv_heads, dim) or "bmm-4"]
         padded = max(n * group, pad)
-        scratch = attention.scratch_for(rows, kv_heads, n, group, dim, padded, hidden.device)
         cos, sin = cos.contiguous(), sin.contiguous()
-        like = hidden.new_empty(1, kv_heads, n, dim)
-        x = torch.empty_like(hidden)
+        layers = cache.layers
         program = self._program(n) if self.stacked else None
         if program is not None and all(hasattr(layer, "extend") for layer in layers):
-            return self._stacked(lib, program, hidden, x, cos, sin, scratch, rows, layers, like)
+            return self._stacked(program, hidden, cos, sin, padded, rows, cache)
+        like = hidden.new_empty(1, kv_heads, n, dim)
+        x = torch.empty_like(hidden)
+        scratch = attention.scratch_for(rows, kv_heads, n, group, dim, padded, hidden.device)
         rope = (cos, sin, scratch.queries, padded)
         pointers = (hidden.data_ptr(), x.data_ptr())
         delta = None  # the last layer's output, added to the residual stream by the next norm
@@ -436,33 +460,50 @@ class LeanLlama:
         return (torch.tensor(pointers, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
                 dtypes == {torch.float16}, inter, held, _norm_pointers(calls))
 
-    def _stacked(self, lib, program, hidden, x, cos, sin, scratch, rows, layers, like) -> torch.Tensor:
+    def _stacked(self, program, hidden, cos, sin, padded, rows, cache) -> torch.Tensor:
+        """The pass as one ``tr_layers`` call: its work buffers (the queries (Hkv, padded, D), then q/k/v, attention's
+        output, o, gate/up, the activation and the last layer's output, each (n, ...)) are one fp32 tensor, given to
+        the call as addresses within it; the cache is extended in all layers at once where they share its store
+        (``kv.extend_on_store``), else layer by layer."""
         weights, eps, f16, inter = program[:4]
         n, d = hidden.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        kv, past = [], None
-        for layer in layers:
-            key_buf, value_buf, start = layer.extend(like)
-            if not (key_buf.dtype == value_buf.dtype == torch.float32 and key_buf.is_contiguous()
-                    and value_buf.is_contiguous() and key_buf.shape == value_buf.shape):
-                raise ValueError(f"the native forward writes an fp32 cache; this layer holds {key_buf.dtype}")
-            if past is not None and start != past:
-                raise ValueError(f"the cache's layers hold {past} and {start} positions")
-            past = start
-            kv.append((key_buf.data_ptr(), value_buf.data_ptr(), key_buf.stride(1)))
+        store = getattr(cache, "kv_store", None)
+        found = None
+        if store is not None and store.dtype == torch.float32 and store.shape[1::2] == (kv_heads, dim):
+            found = kv.extend_on_store(cache, n)
+        if found is not None:
+            past, pointers = found
+        else:
+            like = hidden.new_empty(1, kv_heads, n, dim)
+            held, past = [], None
+            for layer in cache.layers:
+                key_buf, value_buf, start = layer.extend(like)
+                if not (key_buf.dtype == value_buf.dtype == torch.float32 and key_buf.is_contiguous()
+                        and value_buf.is_contiguous() and key_buf.shape == value_buf.shape):
+                    raise ValueError(f"the native forward writes an fp32 cache; this layer holds {key_buf.dtype}")
+                if past is not None and start != past:
+                    raise ValueError(f"the cache's layers hold {past} and {start} positions")
+                past = start
+                held.append((key_buf.data_ptr(), value_buf.data_ptr(), key_buf.stride(1)))
+            pointers = torch.tensor(held, dtype=torch.int64)  # held until the call returns
         if rows.keys != past + n:
             raise ValueError(f"rows laid out for {rows.keys} keys; the cache holds {past + n}")
-        new = hidden.new_empty
-        qkv, att, o = new(n, (heads + 2 * kv_heads) * dim), new(n, heads * dim), new(n, d)
-        gate_up, act, delta = new(n, 2 * inter), new(n, inter), new(n, d)
+        sizes = (kv_heads * padded * dim, n * (heads + 2 * kv_heads) * dim, n * heads * dim, n * d, n * 2 * inter,
+                 n * inter, n * d)
+        work = hidden.new_empty(sum(sizes) + n * d)
+        at, base = [], work.data_ptr()
+        for size in sizes:
+            at.append(base)
+            base += 4 * size
+        queries, qkv, att, o, gate_up, act, delta = at
+        x = work[-n * d:].view(n, d)  # the final norm's output: what the pass returns
         norm = self.base.norm
-        kv = torch.tensor(kv, dtype=torch.int64)  # held until the call returns
         native.stacked()(
-            len(layers), weights.data_ptr(), eps.data_ptr(), kv.data_ptr(), past, int(f16), d, heads, kv_heads, dim,
-            inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            scratch.queries.data_ptr(), scratch.queries.shape[1], rows.start, rows.index.data_ptr(),
-            rows.valid.data_ptr(), qkv.data_ptr(), att.data_ptr(), o.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-            delta.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, torch.get_num_threads())
+            len(cache.layers), weights.data_ptr(), eps.data_ptr(), pointers.data_ptr(), past, int(f16), d, heads,
+            kv_heads, dim, inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            queries, padded, rows.start, rows.index.data_ptr(), rows.valid.data_ptr(), qkv, att, o, gate_up, act,
+            delta, norm.weight.data_ptr(), norm.variance_epsilon, torch.get_num_threads())
         return x
 
     def _rope_store(self, lib, layer, like: torch.Tensor, joined: torch.Tensor,
