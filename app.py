@@ -26,7 +26,6 @@ from tr_core.events import Rates  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
 from tr_core.speed import MODES  # noqa: E402
-from tr_core.stats import settle_collector  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS  # noqa: E402
 from ui.explain import build_tab as explain_tab
@@ -699,7 +698,6 @@ def preload(models: ModelCache) -> None:
         print(f"default mode: {mode} ({why})", flush=True)
     except ModelLoadError as e:
         print(f"the default model did not load: {e}", flush=True)
-    settle_collector()  # the page and the default model: no full collection scans them inside a timed step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,28 +75,6 @@ def visible_text(fragment: str) -> str:
 
 # --- what the page says ---------------------------------------------------------------------------------------------
 
-def test_preload_puts_what_the_process_keeps_out_of_the_collectors_scans(monkeypatch, capsys):
-    # a full collection took ~0.5 s in the test process (~50 ms with the objects frozen): one inside a timed step
-    # would be billed to whichever method ran it. After preload, loaded or not, what is alive is frozen.
-    import gc
-
-    from tr_core.stats import settle_collector
-
-    kept = [[i] for i in range(100)]  # objects the collector tracks, alive now
-    before = gc.get_freeze_count()
-    settle_collector()
-    assert gc.get_freeze_count() >= before + len(kept)
-    calls = []
-    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
-    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
-
-    class Unloadable:
-        def get(self, *_):
-            raise ModelLoadError("no model here")
-    app.preload(Unloadable())
-    assert calls == ["collect", "freeze"] and "did not load" in capsys.readouterr().out
-
-
 def test_a_step_splits_into_accepted_drafts_and_the_bonus_token():
     assert split_step(hand_event()) == (" b\n", " e")
     assert split_step(single_event(1, 7, "!", 4, 1.0)) == ("", "!")

@@ -6,7 +6,6 @@ Plain Python and numpy: no torch, so the app's pages can use it as the benchmark
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Sequence, TypeVar
@@ -23,19 +22,6 @@ MIN_QUESTIONS_FOR_VERDICT = 5
 # The one speedup of this project: the benchmark, the race, Live and the walkthrough all compute it with ``speedup``
 SPEEDUP_DEFINITION = ("a method's tokens per second over plain decoding's, on the same prompt and the same answer "
                       "length; each counts the whole answer: the prefill and every decoding step")
-
-
-def settle_collector() -> None:
-    """Collect, then put every object alive now out of the cyclic garbage collector's scans (``gc.freeze``), once a
-    process holds what it keeps for its life (the app: its page and the default model in both modes; the benchmark:
-    its engines, warmed up), so that a full collection later scans only what came after.
-
-    Why: a full collection scans every object; in the app's process they took 36-348 ms each while it started
-    (measured), and one inside a timed decoding step is billed to whichever method ran it (a 32-token live run takes
-    about half a second). Frozen objects are still freed when nothing refers to them; only cycles among them would
-    stay, and what is frozen here is kept for the process's life anyway."""
-    gc.collect()
-    gc.freeze()
 
 
 def speedup(tokens_per_s: float, plain_tokens_per_s: float) -> float:

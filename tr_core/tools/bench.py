@@ -56,7 +56,7 @@ from ..spec_bench import Question, load_questions, stratified
 from ..speed.calibrate import context_curve, context_weights, describe_context, interpolate
 from ..speed.kernels import mode_dtype
 from ..speed.layouts import cpu_name
-from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, SPEEDUP_DEFINITION, compare, median_round, settle_collector
+from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, SPEEDUP_DEFINITION, compare, median_round
 from ..stats import first_difference as first_difference_at
 from .report import report
 from .results import (
@@ -309,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     warm = "Say hello in one short sentence."
     for r in runners:  # warm-up, on a throwaway copy of the matrix
         r.run(base.encode(warm), 16, r.engine.with_matrix(r.engine.matrix.clone()))
-    settle_collector()  # the engines: no full collection scans them inside a method's timed run
 
     plain_runner = next(r for r in runners if r.name == "plain")
     started = time.perf_counter()
