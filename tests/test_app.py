@@ -527,6 +527,58 @@ def test_plain_decoding_alongside_catches_up_step_by_step_and_counts_only_its_ow
     assert "so far" in plain.baseline(run).source and plain.baseline(run).identical is None
 
 
+def test_no_garbage_collection_runs_inside_a_timed_step_of_a_live_run_or_of_plain_beside_it(tiny_models, monkeypatch):
+    """A full collection scans every object of the app's process (up to 389 ms in test_app.py's runs): inside a timed
+    step it would be billed to that method. Every step of the run and of plain decoding beside it runs with the
+    collector paused; between steps (the page's drawing) it is on."""
+    import gc
+
+    import tr_core.decoding as decoding
+
+    real, during = decoding.verify_step, []
+    monkeypatch.setattr(decoding, "verify_step", lambda *a, **k: during.append(gc.isenabled()) or real(*a, **k))
+    run = LiveRun(Session(), tiny_models, settings())
+    run.prepare()
+    between = [gc.isenabled() for _ in run.snapshots()]
+    assert len(during) > 2 * len(between) > 0 and not any(during)  # the run's steps and plain's, all paused
+    assert all(between) and gc.isenabled()
+
+
+def test_the_collector_pause_nests_and_spans_threads():
+    import gc
+    import threading
+
+    from tr_core.stats import collector_paused
+
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with collector_paused():
+            inside.set()
+            leave.wait(5)
+    other = threading.Thread(target=hold)
+    other.start()
+    inside.wait(5)
+    with collector_paused():
+        pass
+    assert not gc.isenabled()  # the other thread's block still runs
+    leave.set()
+    other.join(5)
+    assert gc.isenabled()
+    gc.disable()  # off before: it stays off
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_live_runs_record_is_packed_once_its_final_frame_is_shown_or_the_run_is_dropped(tiny_models):
     session = Session()
     run = LiveRun(session, tiny_models, settings())

@@ -6,6 +6,9 @@ Plain Python and numpy: no torch, so the app's pages can use it as the benchmark
 
 from __future__ import annotations
 
+import gc
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Sequence, TypeVar
@@ -22,6 +25,31 @@ MIN_QUESTIONS_FOR_VERDICT = 5
 # The one speedup of this project: the benchmark, the race, Live and the walkthrough all compute it with ``speedup``
 SPEEDUP_DEFINITION = ("a method's tokens per second over plain decoding's, on the same prompt and the same answer "
                       "length; each counts the whole answer: the prefill and every decoding step")
+
+
+_PAUSED = {"holders": 0, "was_enabled": True}
+_PAUSED_LOCK = threading.Lock()
+
+
+@contextmanager
+def collector_paused():
+    """No automatic cyclic garbage collection while the block runs, in any thread; what the process owes is
+    collected after it. For the timed steps of a live run and of plain decoding measured beside it: in the app's
+    process a full collection took up to 389 ms (measured in test_app.py's runs), and one inside a step would be
+    billed to whichever method ran it, when the garbage and the objects scanned are the page's. Blocks may nest and
+    overlap across threads; the collector comes back on when the last ends (unless it was off before the first)."""
+    with _PAUSED_LOCK:
+        if _PAUSED["holders"] == 0:
+            _PAUSED["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _PAUSED["holders"] += 1
+    try:
+        yield
+    finally:
+        with _PAUSED_LOCK:
+            _PAUSED["holders"] -= 1
+            if _PAUSED["holders"] == 0 and _PAUSED["was_enabled"]:
+                gc.enable()
 
 
 def speedup(tokens_per_s: float, plain_tokens_per_s: float) -> float:

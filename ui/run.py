@@ -31,6 +31,7 @@ from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
 from tr_core.speed import machine_profile
 from tr_core.speed.kernels import mode_dtype
+from tr_core.stats import collector_paused
 from tr_core.tree import load_template
 from visualize.trace import token_text_map
 
@@ -225,7 +226,8 @@ class PlainAlongside:
     until it has as many tokens, timed on its own. So the two are measured over the same answer length and under the
     same load, interleaved step by step (a shared CPU's speed drifts by up to 2x within minutes, the reason the race
     interleaves its rounds); each one's time counts its prefill and every decoding step, not the other's time nor
-    the page's drawing (``tr_core.stats.SPEEDUP_DEFINITION``)."""
+    the page's drawing (``tr_core.stats.SPEEDUP_DEFINITION``), nor the garbage collections the drawing causes
+    (``collector_paused``: they run between steps)."""
 
     def __init__(self, engine: Engine, ids: list[int], max_new_tokens: int, sampling):
         self.steps = engine.stream(ids, max_new_tokens, method="plain", sampling=sampling)
@@ -240,7 +242,8 @@ class PlainAlongside:
         """Decode until plain decoding has ``tokens`` tokens (or has finished, or ``stopped()``)."""
         while self.tokens < tokens and not (self.events and self.events[-1].finished) and not stopped():
             started = time.perf_counter()
-            event = next(self.steps, None)
+            with collector_paused():
+                event = next(self.steps, None)
             self.seconds += time.perf_counter() - started
             if event is None:
                 break
@@ -286,7 +289,8 @@ class LiveRun(_ModelRun):
         while not self.stopped:
             started = time.perf_counter()
             try:
-                event = next(steps, None)
+                with collector_paused():  # the collections the page's drawing causes run between steps, untimed
+                    event = next(steps, None)
             except ValueError as e:  # e.g. a prompt longer than the model's context
                 raise InputError(str(e)) from None
             seconds += time.perf_counter() - started
