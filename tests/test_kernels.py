@@ -394,3 +394,102 @@ def test_a_cached_plan_keeps_only_the_layouts_that_run_here(tmp_path, monkeypatc
     plan = layouts.kernel_plan(model, "exact")
     assert plan.source == "cached"
     assert {name for by in plan.layouts.values() for name in by.values()} == {"linear"}
+
+
+# --- the fast format, chosen on whole steps ----------------------------------------------------------------------
+
+def _stub_linear_times(monkeypatch, ms: dict[str, float]):
+    """Every layout of ``ms`` available, row-invariant, and timed at ``ms[layout]`` for every shape and row count."""
+    monkeypatch.setattr(layouts, "available_layouts", lambda: tuple(ms))
+    monkeypatch.setattr(layouts, "row_invariant", lambda shapes, names: {s: list(names) for s in shapes})
+
+    def fake_measure(model, names, report_busy, **kw):
+        return {(s, r, n): ms[n] for s in linear_shapes(model) for r in (1, 2, 4, 16) for n in names}, False
+    monkeypatch.setattr(layouts, "measure", fake_measure)
+
+
+@needs_fbgemm
+def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone(monkeypatch, tmp_path):
+    """bf16 wins on the linear layers' times, but its whole step (the small operations between them run in torch)
+    is the slowest: fp16 weights are chosen, on step times measured on copies of the model prepared per format."""
+    from tr_core.speed import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
+    model = tiny_model("llama", dtype=torch.float32)
+    assert layouts.kernel_plan(model, "fast").fmt == "bf16"  # the linear layers' choice
+    trials = []
+
+    def fake_whole(models, sizes, **kw):
+        trials.append(({name: (kernels.plan_of(m).fmt, m.dtype) for name, m in models.items()}, sizes,
+                       kernels.plan_of(model)))
+        ms = {"fp32": 8.0, "fp16": 5.0, "bf16": 12.0}
+        return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
+    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    plan = prepare_model(model, "fast")
+    assert plan.fmt == "fp16" and model.dtype == torch.float32 and kernels.half_precision(model) == "fp16"
+    copies, sizes, original = trials[0]
+    assert copies == {"bf16": ("bf16", torch.bfloat16), "fp16": ("fp16", torch.float32),
+                      "fp32": ("fp32", torch.float32)}
+    assert original is None  # the model itself is prepared once, after the trials, with the plan chosen
+    assert sizes == (1, 2, 4, 8, 16)  # no expected tokens for a random model: the row counts a CPU decodes with
+    assert plan.whole_ms["bf16"][1] == 12.0 * (1 + 1 / 16)
+    said = kernels.describe_format(plan)
+    assert "chosen by measurement: whole steps 1.6x faster than fp32, 2.4x than bf16 (steps of 1-16 tokens" in said
+    # measured once per machine, model, mode and plans: a second model reads the cache
+    again = tiny_model("llama", dtype=torch.float32)
+    assert prepare_model(again, "fast").fmt == "fp16" and len(trials) == 1
+
+
+@needs_fbgemm
+def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypatch, tmp_path):
+    from tr_core.speed import calibrate
+    from tr_core.speed.lean import fuse
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"fp16w": 1.0, "bf16-linear": 1.5})
+
+    def fake_whole(models, sizes, **kw):  # fp16: fastest alone, steep; bf16: slower alone, flat
+        curve = {"fp16": lambda n: 5.0 * (1 + n / 4), "bf16": lambda n: 6.0, "fp32": lambda n: 9.0 * (1 + n / 4)}
+        return {name: {n: curve[name](n) for n in sizes} for name in models}, False
+    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    model = tiny_model("llama", dtype=torch.float32)
+    fuse(model)
+    gain = {1: 1.0, 2: 1.5, 4: 2.0, 8: 2.5, 16: 3.0, 32: 3.5, 81: 4.0}
+    plan = kernels.choose_plan(model, "fast", gain=gain)
+    assert plan.fmt == "bf16" and set(plan.whole_ms["bf16"]) == set(kernels.WHOLE_SIZES)
+    # fp16's best: 2 nodes, 1.5 tokens in 7.5 ms (1 in 6.25 ms alone, 2 in 10 ms at 4 nodes)
+    assert plan.speed["bf16"] == (81, 4.0 / 6.0) and plan.speed["fp16"] == (2, 1.5 / 7.5)
+    said = kernels.describe_format(plan)
+    assert "expected tokens per ms of a whole step, each format at its best tree size; here 81 nodes" in said
+    assert f"{(4.0 / 6.0) / (1.5 / 7.5):.2f}x faster than fp16 weights" in said
+
+
+@needs_fbgemm
+def test_without_memory_for_the_copies_the_linear_layers_choose_and_the_sentence_says_so(monkeypatch, tmp_path):
+    from tr_core.speed import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
+    monkeypatch.setattr(kernels, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(calibrate, "whole_steps_ms", lambda *a, **k: pytest.fail("no copies without the memory"))
+    model = tiny_model("llama", dtype=torch.float32)
+    plan = prepare_model(model, "fast")
+    assert plan.fmt == "bf16" and not plan.whole_ms
+    said = kernels.describe_format(plan)
+    assert "linear layers 1.3x faster than fp16 weights" in said
+    assert "chosen on the linear layers' times alone: timing each format's whole step needs" in said
+
+
+def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was():
+    from tr_core.speed.lean import fuse
+
+    model = tiny_model("llama", dtype=torch.float32)
+    fuse(model)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    plans = layouts.format_plans(model, "fast")
+    steps, why = kernels.whole_steps(model, plans, (1, 4), cache=False)
+    assert set(steps) == set(plans) and why.startswith("measured here")
+    assert all(set(by) == {1, 4} and 0 < by[1] <= by[4] for by in steps.values())
+    assert kernels.plan_of(model) is None and all(type(m) is not kernels.ChosenLinear for m in model.modules())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())

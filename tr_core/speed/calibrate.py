@@ -64,73 +64,122 @@ DEFAULT_FIT_CONTEXT = 256
 CONTEXT_GRID = (128, 256, 512, 1024, 2048)
 
 
-@torch.inference_mode()
-def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
-                       prefix: int = DEFAULT_FIT_CONTEXT, repeats: int = 5, block: int = 2,
-                       use_cache_file: bool = True, remeasure: bool = False) -> dict[int, float]:
-    """Time (ms, made non-decreasing in N; ``paired_curve``) of a step's model work for N tree tokens (the first N
-    nodes of the paper tree, with its tree mask) on top of a ``prefix``-token cache: the forward, and the argmax (N =
-    1) or every node's top-k (N > 1). ``repeats`` rounds over the sizes, ``block`` counted steps of a size in a row.
-    The result is cached per machine (``machine_key``); ``remeasure`` measures anew and rewrites the cache."""
+def bench_prefix(model: PreTrainedModel, sizes: Sequence[int], prefix: int) -> tuple[int, bool]:
+    """The cache length t(N) is timed on, for a wanted ``prefix``, and whether the model runs the batch-invariant
+    (windowed) attention, ``attention.py``."""
     max_pos = max_positions(model)
     if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
         prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
-    windowed = window(body(model)) is not None  # the batch-invariant attention (attention.py)
-    paper = load_template("paper")
+    windowed = window(body(model)) is not None
     if windowed and prefix >= BLOCK:  # the root at a window's start: every tree's depth fits in its window
         prefix = prefix // BLOCK * BLOCK
     elif windowed:  # a short cache: the deepest tree still in the first window
-        prefix = max(1, min(prefix, BLOCK - 1 - paper.max_depth))
+        prefix = max(1, min(prefix, BLOCK - 1 - load_template("paper").max_depth))
+    return prefix, windowed
+
+
+class StepBench:
+    """A model's steps of N tree tokens (the first N nodes of the paper tree, with its tree mask) on top of a
+    ``prefix``-token cache, set up to be timed as ``measure_forward_ms`` times them: the forward, and the argmax
+    (N = 1) or every node's top-k (N > 1)."""
+
+    @torch.inference_mode()
+    def __init__(self, model: PreTrainedModel, sizes: Sequence[int], prefix: int = DEFAULT_FIT_CONTEXT):
+        prefix, _ = bench_prefix(model, sizes, prefix)
+        paper = load_template("paper")
+        self.prefix, self.sizes = prefix, tuple(sizes)
+        self.device = device = model.device
+        if device.type == "cpu":
+            grouped_query_attention_in_sdpa()  # as decoding does
+        g = torch.Generator().manual_seed(0)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
+        self.base, self.head = body(model), OutputHead(model)
+        self.cache = new_cache(model.config, prefix + max(sizes), cache_dtype(self.base, model.dtype), device)
+        feed(self.base, ctx[0], self.cache)  # as decoding does
+        self.steps = []
+        for n in self.sizes:
+            tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
+            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            if tree is None:
+                pos, mask = torch.tensor([[prefix]], device=device), None
+            else:
+                pos = (prefix + tree.depth.to(device))[None]
+                mask = tree_mask(tree.to(device), prefix, model.dtype, device)
+            self.steps.append((n, ids, pos, mask))
+
+    @torch.inference_mode()
+    def time_round(self, block: int) -> dict[int, list[float]]:
+        """One round over the sizes: per size, a block of ``block`` counted steps in a row (ms each), as decoding runs
+        them (a step after a much larger one runs on evicted caches, which decoding never sees); the block's first
+        step (the switch from the size before) runs uncounted."""
+        times = {}
+        for n, ids, pos, mask in self.steps:
+            times[n] = []
+            for b in range(block + 1):
+                t0 = time.perf_counter()
+                hidden = self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
+                                   use_cache=True).last_hidden_state[0]
+                logits = self.head(hidden)
+                if n > 1:  # a tree step also takes every node's top-k for the matrix update
+                    top_k(logits, 8)
+                else:
+                    logits.argmax(dim=-1)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if b:
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+                self.cache.crop(-n)
+        return times
+
+
+def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
+                       prefix: int = DEFAULT_FIT_CONTEXT, repeats: int = 5, block: int = 2,
+                       use_cache_file: bool = True, remeasure: bool = False) -> dict[int, float]:
+    """Time (ms, made non-decreasing in N; ``paired_curve``) of a step's model work for N tree tokens on top of a
+    ``prefix``-token cache (``StepBench``). ``repeats`` rounds over the sizes (so that a slow spell of the machine hits
+    every size alike; one more, uncounted, warms up), ``block`` counted steps of a size in a row. The result is cached
+    per machine (``machine_key``); ``remeasure`` measures anew and rewrites the cache."""
+    prefix, windowed = bench_prefix(model, sizes, prefix)
     invariant = "-invariant" if windowed else ""
     path = default_cache_dir() / "calibration" / f"{machine_key(model)}-p{prefix}-paired{invariant}.json"
     if use_cache_file and path.is_file() and not remeasure:
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
         if all(n in cached for n in sizes):
             return {n: cached[n] for n in sizes}
-    device = model.device
-    if device.type == "cpu":
-        grouped_query_attention_in_sdpa()  # as decoding does
-    g = torch.Generator().manual_seed(0)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-    base, head = body(model), OutputHead(model)
-    cache = new_cache(model.config, prefix + max(sizes), cache_dtype(base, model.dtype), device)  # as decoding does
-    feed(base, ctx[0], cache)
-    steps = []
-    for n in sizes:
-        tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
-        ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
-        if tree is None:
-            pos, mask = torch.tensor([[prefix]], device=device), None
-        else:
-            pos = (prefix + tree.depth.to(device))[None]
-            mask = tree_mask(tree.to(device), prefix, model.dtype, device)
-        steps.append((n, ids, pos, mask))
-    times = {n: [[] for _ in range(repeats)] for n in sizes}  # per size, per round: the block's timings
-    # Rounds over the sizes, so that a slow spell of the machine hits every size alike; within a round each size runs
-    # a block of steps in a row, as decoding does (a step after a much larger one runs on evicted caches, which
-    # decoding never sees); round 0 warms up, and a block's first step (the switch) is not counted.
+    bench = StepBench(model, sizes, prefix)
+    times: dict[int, list[list[float]]] = {n: [] for n in sizes}  # per size, per round: the block's timings
     for round_ in range(repeats + 1):
-        for n, ids, pos, mask in steps:
-            for b in range(block + 1):
-                t0 = time.perf_counter()
-                hidden = base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                              use_cache=True).last_hidden_state[0]
-                logits = head(hidden)
-                if n > 1:  # a tree step also takes every node's top-k for the matrix update
-                    top_k(logits, 8)
-                else:
-                    logits.argmax(dim=-1)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if round_ and b:
-                    times[n][round_ - 1].append((time.perf_counter() - t0) * 1e3)
-                cache.crop(-n)
+        got = bench.time_round(block)
+        if round_:
+            for n in sizes:
+                times[n].append(got[n])
     result = paired_curve(times)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def whole_steps_ms(models: dict[str, PreTrainedModel], sizes: Sequence[int], prefix: int = DEFAULT_FIT_CONTEXT,
+                   repeats: int = 3, block: int = 2) -> tuple[dict[str, dict[int, float]], bool]:
+    """t(N) (``paired_curve``) of each of ``models`` (name -> a prepared model), timed in turn, round by round (the
+    order rotated each round), so that a slow spell of the machine hits each alike; and whether other processes
+    competed for the cores meanwhile (``layouts.machine_busy``). ``kernels.choose_plan`` compares formats by it."""
+    benches = {name: StepBench(model, sizes, prefix) for name, model in models.items()}
+    times = {name: {n: [] for n in sizes} for name in benches}
+    order, load = list(benches), []
+    for round_ in range(repeats + 1):
+        for name in order:
+            got = benches[name].time_round(block)
+            if round_:
+                for n in sizes:
+                    times[name][n].append(got[n])
+            running = layouts.runnable_threads()
+            if running is not None:
+                load.append(running)
+        order = order[1:] + order[:1]
+    return {name: paired_curve(t) for name, t in times.items()}, layouts.machine_busy(load)
 
 
 def paired_curve(times: dict[int, list[list[float]]]) -> dict[int, float]:
@@ -211,14 +260,13 @@ def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> 
     shapes are those ``prepare_model`` measures: the fused projections where ``lean.fuse`` applies."""
     import copy
 
-    from .kernels import LAYOUTS
-    from .layouts import kernel_plan
+    from .kernels import LAYOUTS, choose_plan, tree_gain
     from .lean import fuse, fused_shapes
 
     if fused_shapes(model):
         model = copy.deepcopy(model)
         fuse(model)
-    plan = kernel_plan(model, mode, remeasure=remeasure)
+    plan = choose_plan(model, mode, gain=tree_gain(model), remeasure=remeasure)
     lines = [f"{mode}: format {plan.fmt} ({plan.source}; {torch.get_num_threads()} threads, {cpu_name()})"]
     for shape, by_rows in plan.layouts.items():
         names = sorted(plan.timings[shape][plan.rows[0]], key=list(LAYOUTS).index)
@@ -231,8 +279,11 @@ def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> 
     for fmt, steps in plan.step_ms.items():
         lines.append(f"  step ms, {fmt} (linear layers, best layouts): "
                      + ", ".join(f"{r}: {ms:.1f}" for r, ms in sorted(steps.items())))
-    from .kernels import describe_invariance
-    lines.append(f"  {describe_invariance(plan)}")
+    for fmt, steps in plan.whole_ms.items():
+        lines.append(f"  step ms, {fmt} (whole step, {DEFAULT_FIT_CONTEXT}-token context): "
+                     + ", ".join(f"{r}: {ms:.1f}" for r, ms in sorted(steps.items())))
+    from .kernels import describe_format
+    lines.append(f"  {describe_format(plan)}")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from ..assets import acceptance_stats
 from ..budget import expected_tokens
 from . import layouts
-from .layouts import HEAD, LAYOUTS, KernelPlan, kernel_plan
+from .layouts import HEAD, LAYOUTS, KernelPlan
 
 MODES = ("exact", "fast")
 
@@ -109,27 +109,30 @@ def _describe_format(plan: KernelPlan) -> str:
     if plan.mode == "exact":
         return "exact: fp32"
     short = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16"}
+    whole = len(plan.whole_ms) > 1  # chosen on whole steps (``choose_plan``), else on the linear layers' times
+    note = f"; {plan.whole_note}" if plan.whole_note else ""
     if plan.fmt in plan.speed and len(plan.speed) > 1:
         rows, mine = plan.speed[plan.fmt]
         others = sorted((mine / speed, short[fmt]) for fmt, (_, speed) in plan.speed.items() if fmt != plan.fmt)
         said = ", ".join((f"{x:.2f}x {'faster' if x >= 1 else 'slower'} than {name}" if i == 0 else
                           f"{x:.2f}x than {name}") for i, (x, name) in enumerate(others))  # runner-up first
+        per = "a whole step" if whole else "the linear layers"
         return (f"fast: {_format_name(plan.fmt)}, chosen by measurement for Token Recycling's decoding speed "
-                f"(expected tokens per ms of the linear layers, each format at its best tree size; here {rows} "
-                f"nodes): {said}")
-
-    mine = plan.step_ms[plan.fmt]
+                f"(expected tokens per ms of {per}, each format at its best tree size; here {rows} "
+                f"nodes): {said}{note}")
+    by_format = plan.whole_ms if whole else plan.step_ms
+    mine = by_format[plan.fmt]
     rows = [r for r in mine if r <= layouts.FORMAT_MAX_ROWS] or list(mine)
     ratios = []
-    for fmt, steps in plan.step_ms.items():
+    for fmt, steps in by_format.items():
         if fmt != plan.fmt and steps and all(r in steps for r in rows):
             ratios.append((math.exp(sum(math.log(steps[r] / mine[r]) for r in rows) / len(rows)), short[fmt]))
     if not ratios:
         return f"fast: {_format_name(plan.fmt)} (the only format this CPU runs fast)"
     said = ", ".join((f"{r:.1f}x {'faster' if r >= 1 else 'slower'} than {name}" if i == 0 else
                       f"{r:.1f}x than {name}") for i, (r, name) in enumerate(sorted(ratios)))  # runner-up first
-    return (f"fast: {_format_name(plan.fmt)}, chosen by measurement: linear layers {said} "
-            f"(steps of {min(rows)}-{max(rows)} tokens, geometric mean)")
+    return (f"fast: {_format_name(plan.fmt)}, chosen by measurement: {'whole steps' if whole else 'linear layers'} "
+            f"{said} (steps of {min(rows)}-{max(rows)} tokens, geometric mean{note})")
 
 
 # transformers' switch for SDPA's own grouped-query attention when a mask is given (transformers.integrations.
@@ -259,9 +262,97 @@ def prepare_model(model: nn.Module, mode: str, plan: KernelPlan | None = None) -
     if plan is None or fused_shapes(model) <= set(plan.layouts):  # a given plan may be for the unfused layers
         fuse(model)  # q/k/v and gate/up as one layer each: their shapes are the ones measured and checked
     own_weights(model)  # after the fusion, which has copied the projections it fused already
-    plan = plan or kernel_plan(model, mode, gain=tree_gain(model))
+    plan = plan or choose_plan(model, mode, gain=tree_gain(model))
     apply_plan(model, plan)
     return plan
+
+
+# Tree sizes a whole step is timed at to choose the format: plain decoding's one row and the trees the engine may run
+# (the paper's 81 nodes the largest); without the method's expected tokens, up to ``layouts.FORMAT_MAX_ROWS``.
+WHOLE_SIZES = (1, 2, 4, 8, 16, 32, 81)
+
+
+def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False
+                ) -> KernelPlan:
+    """The plan ``prepare_model`` puts into ``model`` (fp32, fused, not yet prepared) in ``mode``: among the formats
+    the mode may run here (``layouts.format_plans``), the one whose *whole* steps decode fastest (``layouts.
+    pick_format`` on ``whole_steps``), each format's plan put into a copy of the model and timed here; the linear
+    layers' times alone cannot see the rest of a step, which differs between formats (seen on this project's AVX-512
+    machine: bf16 won on the linear layers, 0.150 expected tokens per ms against fp16's 0.140, and its whole one-token
+    step took 32.8 ms against fp16's ~10, as only the fp32-activation formats run the small operations in C). Where
+    there is one format, or no memory for the copies, the linear layers' choice, and the plan says why.
+    ``remeasure``: time the layouts and the whole steps again."""
+    plans = layouts.format_plans(model, mode, gain=gain, remeasure=remeasure)
+    first = next(iter(plans.values()))
+    if len(plans) < 2:
+        return first
+    sizes = WHOLE_SIZES if gain else tuple(n for n in WHOLE_SIZES if n <= layouts.FORMAT_MAX_ROWS)
+    whole, why = whole_steps(model, plans, sizes, cache=first.source != "measured here on a busy machine, not cached",
+                             remeasure=remeasure)
+    if whole is None:
+        first.whole_note = why
+        return first
+    plan = plans[layouts.pick_format(whole, gain)]
+    plan.whole_ms = whole
+    plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
+    return plan
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (bytes), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int, ...], cache: bool = True,
+                remeasure: bool = False) -> tuple[dict[str, dict[int, float]] | None, str]:
+    """Per format of ``plans``, t(N) of a whole step at ``sizes`` (``calibrate.whole_steps_ms``: the forward, the
+    output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
+    (all copies held at once, and timed in turn round by round); cached per machine, model, mode and plans (``cache``:
+    also written; ``remeasure``: not read), and not written where other processes competed for the cores. Returns
+    (None, why) where the copies would not fit in the memory available."""
+    import copy
+    import hashlib
+    import json
+
+    from ..models import default_cache_dir
+    from . import calibrate
+
+    mode = next(iter(plans.values())).mode
+    key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
+                    layouts.source_digest(calibrate)])
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
+    path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    if path.is_file() and not remeasure:
+        data = json.loads(path.read_text())
+        return {fmt: {int(n): ms for n, ms in by.items()} for fmt, by in data.items()}, "cached"
+    need = (len(plans) + 1) * sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        return None, (f"chosen on the linear layers' times alone: timing each format's whole step needs "
+                      f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available")
+    copies, said = {}, _LATEST.get(mode)
+    try:
+        for fmt, plan in plans.items():
+            copies[fmt] = copy.deepcopy(model)
+            apply_plan(copies[fmt], plan)
+        steps, busy = calibrate.whole_steps_ms(copies, sizes)
+    finally:
+        copies.clear()
+        if said is None:  # what the mode runs here is said by the models it prepares, not by these trials
+            _LATEST.pop(mode, None)
+        else:
+            _LATEST[mode] = said
+    if cache and not busy:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(steps, indent=1))
+    return steps, "measured here" + (" on a busy machine, not cached" if busy else "")
 
 
 def own_weights(model: nn.Module) -> None:

@@ -419,17 +419,34 @@ def choose_format(timings: Timings, counts: Mapping[str, int], formats: Iterable
     steps = {fmt: s for fmt, s in steps.items() if s}
     if not steps:
         raise ValueError("no format has timings for every shape")
+    return pick_format(steps, gain), steps
+
+
+def pick_format(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, float] | None = None) -> str:
+    """The format whose step times (``steps``: format -> rows -> ms) decode fastest: with ``gain``, by the best
+    expected tokens per ms over the row counts (``speed_by_format``); without, by the geometric mean of the step
+    times over the row counts up to ``FORMAT_MAX_ROWS``. Only formats timed at every row count that any format was
+    timed at compete; a tie (within ``TIE``) goes to the format earlier in ``FORMATS``. ``choose_format`` picks on
+    the linear layers' step times, ``kernels.choose_plan`` on whole steps.
+
+    >>> pick_format({"fp16": {1: 10.0, 4: 14.0}, "bf16": {1: 33.0, 4: 34.0}})
+    'fp16'
+    >>> pick_format({"fp16": {1: 10.0, 4: 40.0}, "bf16": {1: 12.0, 4: 13.0}}, gain={1: 1.0, 4: 2.5})
+    'bf16'
+    """
+    steps = {fmt: s for fmt, s in steps.items() if s}
+    if not steps:
+        raise ValueError("no format has step times")
     every = set().union(*steps.values())
     rows = every if gain else ({r for r in every if r <= FORMAT_MAX_ROWS} or every)
     complete = {fmt: {r: ms for r, ms in s.items() if r in rows} for fmt, s in steps.items()}
     complete = {fmt: s for fmt, s in complete.items() if set(s) == rows}
-    if gain:
-        score = {fmt: -math.log(speed[1]) for fmt, speed in speed_by_format(complete, gain).items()}
-    else:
-        score = {fmt: statistics.fmean(math.log(ms) for ms in s.values()) for fmt, s in complete.items()}
+    if not complete:
+        raise ValueError("no format has step times at every row count")
+    score = {fmt: _step_score(s, gain) for fmt, s in complete.items()}
     best = min(score.values())
     near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
-    return min(near, key=FORMATS.index), steps
+    return min(near, key=FORMATS.index)
 
 
 def gain_at(gain: Mapping[int, float], rows: int) -> float:
@@ -636,6 +653,11 @@ class KernelPlan:
     # the format's ``STACK_LAYOUTS`` layout that choice weighed: shape -> rows -> ms of one call inside that call
     stacked: bool = False
     inside: dict[str, dict[int, float]] = field(default_factory=dict)
+    # where the fast format was chosen on whole steps (``kernels.choose_plan``): format -> rows -> ms of a whole
+    # model step (forward, output layer, top-k), each format's model prepared and timed here; else empty, and
+    # ``whole_note`` says why the linear layers' times alone chose it
+    whole_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    whole_note: str = ""
 
     def layout_for(self, shape: str, rows: int) -> str:
         """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
@@ -653,16 +675,18 @@ class KernelPlan:
 
 def make_plan(mode: str, timings: Timings, counts: Mapping[str, int], available: Iterable[str],
               source: str = "measured here", invariant: Mapping[str, Iterable[str]] | None = None,
-              gain: Mapping[int, float] | None = None, inside: Timings | None = None) -> KernelPlan:
+              gain: Mapping[int, float] | None = None, inside: Timings | None = None,
+              only: str | None = None) -> KernelPlan:
     """The plan for ``mode`` from timings (pure): the format by ``choose_format``, then per shape and row count the
     fastest layout of that format (``choose_layouts``). Given ``invariant`` (shape -> the families found
     row-invariant here, ``row_invariant``), only formats where every shape has such a family compete, and each
     shape runs its fastest family at every row count (``choose_families``); where no format has one for every
     shape, the plan falls back to the fastest layouts and says it is not row-invariant. ``gain``: the method's
     expected tokens per step by tree size, to choose the format by decoding speed (``choose_format``). ``inside``:
-    bare timings of the ``STACK_LAYOUTS`` layouts where the body can run as one C call (``stack_choice``)."""
+    bare timings of the ``STACK_LAYOUTS`` layouts where the body can run as one C call (``stack_choice``).
+    ``only``: the plan of that one format of the mode (``format_plans``)."""
     available = tuple(available)
-    formats = mode_formats(mode)
+    formats = mode_formats(mode) if only is None else tuple(f for f in mode_formats(mode) if f == only)
     steady = None
     if invariant is not None:
         whole = [f for f in formats if set(choose_families(
@@ -768,8 +792,37 @@ def cache_path(model: nn.Module, mode: str) -> Path:
 
 def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
                 gain: Mapping[int, float] | None = None, **measure_kw) -> KernelPlan:
-    """The plan for ``model`` (fp32, on the CPU) in ``mode``: from this machine's cached timings, else (or with
-    ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and cached. ``gain``: see ``make_plan``."""
+    """The plan for ``model`` (fp32, on the CPU) in ``mode``, the format chosen on the linear layers' times: from this
+    machine's cached timings, else (or with ``remeasure``) measured now (a few seconds to ~30 s on 2 cores) and
+    cached. ``gain``: see ``make_plan``."""
+    return make_plan(mode, gain=gain, **plan_inputs(model, mode, use_cache_file, remeasure, **measure_kw))
+
+
+def format_plans(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
+                 gain: Mapping[int, float] | None = None, **measure_kw) -> dict[str, KernelPlan]:
+    """Per format the mode may run here, its plan (``make_plan``'s ``only``), from one set of timings
+    (``plan_inputs``): first the format ``kernel_plan`` chooses on the linear layers' times, then every other format
+    that is as row-invariant as it and timed at every row count. ``kernels.choose_plan`` times their whole steps."""
+    inputs = plan_inputs(model, mode, use_cache_file, remeasure, **measure_kw)
+    first = make_plan(mode, gain=gain, **inputs)
+    plans = {first.fmt: first}
+    for fmt in mode_formats(mode):
+        if fmt in plans:
+            continue
+        try:
+            plan = make_plan(mode, gain=gain, only=fmt, **inputs)
+        except ValueError:  # no timings of this format for every shape
+            continue
+        if plan.fmt == fmt and plan.invariant == first.invariant and set(plan.rows) == set(first.rows):
+            plans[fmt] = plan
+    return plans
+
+
+def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
+                **measure_kw) -> dict:
+    """``make_plan``'s arguments but the mode (timings, counts, available, source, invariant, inside) for ``model``
+    in ``mode``: this machine's cached timings, else (or with ``remeasure``) measured now and cached, unless other
+    processes competed for the cores meanwhile (then used by this process, measured again by the next)."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
     from .lean import stackable
@@ -781,22 +834,22 @@ def kernel_plan(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
         timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"] if name.removeprefix(INSIDE) in here}
         timings, inside = _split_inside(timings)
         invariant = {s: [f for f in families if base_layout(f) in here] for s, families in data["invariant"].items()}
-        return make_plan(mode, timings, counts, [n for n in data["available"] if n in here], source="cached",
-                         invariant=invariant, gain=gain, inside=inside if stack else None)
+        return dict(timings=timings, counts=counts, available=[n for n in data["available"] if n in here],
+                    source="cached", invariant=invariant, inside=inside if stack else None)
     invariant = row_invariant(_shape_sizes(model), layouts)
     timings, busy = measure(model, layouts, report_busy=True, inside=stack, **measure_kw)
     timings, inside = _split_inside(timings)
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
-        # time slice while other processes ran): used by this process, measured again by the next
-        return make_plan(mode, timings, counts, layouts, source="measured here on a busy machine, not cached",
-                         invariant=invariant, gain=gain, inside=inside)
+        # time slice while other processes ran)
+        return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside,
+                    source="measured here on a busy machine, not cached")
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]
         rows += [[s, r, INSIDE + name, ms] for (s, r, name), ms in sorted(inside.items())]
         path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                                     "invariant": invariant, "timings": rows}, indent=0))
-    return make_plan(mode, timings, counts, layouts, invariant=invariant, gain=gain, inside=inside)
+    return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside)
 
 
 def _split_inside(timings: Timings) -> tuple[dict, dict]:
