@@ -145,6 +145,38 @@ def test_native_attention_equals_the_torch_one_and_sdpa(past, n, tree, kind):
     torch.testing.assert_close(outs[1], reference, rtol=1e-5, atol=1e-6)
 
 
+@needs_compiler
+@pytest.mark.parametrize("past", [64, 200, 1100])
+def test_native_attention_gives_a_row_the_same_bits_whatever_rows_share_its_call(past):
+    """``tr_attend`` attends up to 8 query rows of a kv head together (each key read once for them) and splits the
+    rows among threads by the call's size: a row's output must not depend on either. The first k nodes of a tree
+    (breadth-first: ancestors first) are a tree of their own, so each is computed in calls of 1 to 40 rows and on 1
+    or 2 threads, and must come out bit-equal."""
+    lib = library_here()
+    g = torch.Generator().manual_seed(past)
+    heads, kv_heads, dim, n = 9, 3, 64, 40
+    keys, values = torch.randn(kv_heads, past + n, dim, generator=g), torch.randn(kv_heads, past + n, dim, generator=g)
+    q = torch.randn(n, heads, dim, generator=g)
+    positions, visible = _tree_rows(past, n, g)
+    outs = {}
+    for count in (1, 2, 5, 13, 40):
+        rows = attention.row_keys(past, positions[:count], visible[:count, :count], heads // kv_heads)
+        for threads in (1, 2):
+            buffers = attention.scratch_for(rows, kv_heads, count, 3, dim, 3 * count, "cpu")
+            torch.mul(q[:count].view(count, kv_heads, 3, dim).transpose(0, 1), 0.125, out=buffers.step_queries)
+            out = torch.empty(count, heads * dim)
+            lib.tr_attend(buffers.queries.data_ptr(), 3 * count, keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                          rows.start, rows.index.data_ptr(), rows.valid.data_ptr(), count, 3, kv_heads, dim,
+                          out.data_ptr(), threads)
+            outs[count, threads] = out
+    whole = outs[40, 2]
+    for (count, threads), out in outs.items():
+        assert torch.equal(out, whole[:count]), (count, threads)
+    reference = attention.reference(q.transpose(0, 1)[None] * 1.0, keys[None], values[None], attention.row_keys(
+        past, positions, visible, 3), 0.125)[0]
+    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("use_native", [True, False])
 def test_rows_agree_on_either_path(monkeypatch, use_native):
     # the check batch_invariant runs for the path this process takes, run here for both
