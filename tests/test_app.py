@@ -544,6 +544,22 @@ def test_no_garbage_collection_runs_inside_a_timed_step_of_a_live_run_or_of_plai
     assert all(between) and gc.isenabled()
 
 
+def test_no_garbage_collection_runs_inside_a_timed_run_of_the_race(tiny_models, monkeypatch):
+    """As in Live: every step of every run of the race with the collector paused; on between runs."""
+    import gc
+
+    import tr_core.decoding as decoding
+
+    real, during = decoding.verify_step, []
+    monkeypatch.setattr(decoding, "verify_step", lambda *a, **k: during.append(gc.isenabled()) or real(*a, **k))
+    race = Race(Session(), tiny_models, settings(race=("tr",)))
+    race.prepare()
+    between = [gc.isenabled() for _ in race.progress()]
+    warm_up = 1  # the one-token warm-up before the race, not timed
+    assert len(during) > warm_up + 2 * race.rounds and not any(during[warm_up:])
+    assert all(between) and gc.isenabled()
+
+
 def test_the_collector_pause_nests_and_spans_threads():
     import gc
     import threading

@@ -183,6 +183,22 @@ def stub_runners(log):
             MethodRunner("tr-cold", StubEngine("tr-cold", log, StubMatrix()), "tr", reset_each_question=True)]
 
 
+def test_a_question_decodes_with_the_garbage_collector_paused_and_it_runs_again_after():
+    """A full collection scans every object the benchmark holds; inside a timed question it would be billed to
+    whichever method ran it, so every run decodes with the collector paused (as timeit times)."""
+    import gc
+
+    states = []
+
+    class Recording(StubEngine):
+        def generate(self, ids, max_new_tokens, method):
+            states.append(gc.isenabled())
+            return super().generate(ids, max_new_tokens, method)
+    runners = [MethodRunner(name, Recording(name, [], StubMatrix()), "tr") for name in ("plain", "tr")]
+    measure_question(runners, [5, 6], 8, 2, 0)
+    assert states == [False] * 4 and gc.isenabled()
+
+
 def test_rounds_run_in_the_scheduled_order_and_every_round_starts_from_the_same_matrix():
     log, ran = [], []
     runners = stub_runners(log)

@@ -492,13 +492,19 @@ class Race(_ModelRun):
                 done += 1
                 yield RaceProgress(f"Round {r + 1} of {self.rounds}, run {done} of {total}: "
                                    f"{method_label(method)}, alone on the CPU{about_prompt}…", latest)
-                events = []
-                for event in self._engine(method).stream(self.ids, s.max_new_tokens, method=method,
-                                                        sampling=s.sampling):
-                    events.append(event)  # nothing else between steps: the run's clock measures decoding alone
-                    if self.stopped:
-                        yield RaceProgress("Stopped.", latest, done=True, stopped=True)
-                        return
+                events, stopped = [], False
+                # the collector paused through the run (as through Live's steps): a collection of the app's objects
+                # would be billed to whichever method it fell in; the process's collections run between runs
+                with collector_paused():
+                    for event in self._engine(method).stream(self.ids, s.max_new_tokens, method=method,
+                                                            sampling=s.sampling):
+                        events.append(event)  # nothing else between steps: the run's clock measures decoding alone
+                        if self.stopped:
+                            stopped = True
+                            break
+                if stopped:
+                    yield RaceProgress("Stopped.", latest, done=True, stopped=True)
+                    return
                 rounds[method].append(RaceRun(method, events))
                 latest[method] = rounds[method][-1]
         runs = {m: median_run(rounds[m]) for m in self.methods}
