@@ -142,3 +142,30 @@ def test_a_plain_steps_rotary_row_is_the_modules_own_for_that_position_alone():
     assert torch.equal(lean._rotary(hidden, ids)[0], lean.rotary(hidden, ids)[0])
     with torch.enable_grad():
         assert lean._rotary(hidden, torch.tensor([[7]]))[0] is not lean._rotary(hidden, torch.tensor([[7]]))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # windowed attention (fp32), torch's SDPA (float64)
+@torch.inference_mode()
+def test_a_tree_step_given_only_which_rows_each_row_sees_equals_it_under_the_whole_mask(dtype):
+    """Decoding gives the lean forward a tree's own (n, n) visibility (``decoding.tree_attention``) instead of a 4D mask
+    over the whole cache, which grew with the context: the same bits either way, on either attention path."""
+    from tr_core.decoding import tree_attention
+
+    model = tiny_model("llama", dtype=dtype)
+    lean = LeanLlama(model)
+    tree = build_tree(list(load_template("paper").node_paths[1:9]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 42 + tree.size), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for how in ("mask", "visible"):
+        cache = new_cache(model.config, 80)
+        lean(input_ids=ids[:, :42], cache=cache)
+        seen = ({"attention_mask": tree_mask(tree, 42, model.dtype, model.device)} if how == "mask"
+                else {"visible": tree.mask})
+        outs.append(lean(input_ids=ids[:, 42:], position_ids=(42 + tree.depth)[None], cache=cache,
+                         **seen).last_hidden_state)
+    assert torch.equal(outs[0], outs[1])
+    windowed = lean.window is not None
+    seen = tree_attention(lean, tree, 42, model.dtype, model.device)
+    assert list(seen) == (["visible"] if windowed else ["attention_mask"])
+    assert tree_attention(lean, build_tree([[0], [0, 0]]), 42, model.dtype, model.device) == {}  # a chain: causal
+    assert list(tree_attention(model.base_model, tree, 42, model.dtype, model.device)) == ["attention_mask"]

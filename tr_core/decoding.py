@@ -137,6 +137,19 @@ def tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torc
     return mask
 
 
+def tree_attention(base: torch.nn.Module, tree: TreeBuffers, past_len: int, dtype: torch.dtype,
+                   device: torch.device) -> dict:
+    """The keyword that tells ``base`` (``body``'s forward) which positions each of a step's rows sees: none for a
+    chain (causal); for the windowed attention of the lean forward, ``visible``, the tree's own (n, n) mask; else
+    ``attention_mask``, the additive 4D mask over the cache and the tree (``tree_mask``; its size grows with the
+    context: ~80 x 1,000 floats filled a step for the paper's tree at 900 cached tokens)."""
+    if _is_chain(tree):
+        return {}
+    if window(base) is not None:
+        return {"visible": tree.mask.to(device)}
+    return {"attention_mask": tree_mask(tree, past_len, dtype, device)}
+
+
 def _is_chain(tree: TreeBuffers) -> bool:
     return tree.size == tree.max_depth + 1
 
@@ -250,11 +263,11 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     if tree.parents.device != device:
         tree = tree.to(device)
     positions = (past_len + tree.depth.to(device))[None]
-    mask = None if _is_chain(tree) else tree_mask(tree, past_len, dtype, device)
+    seen = tree_attention(base, tree, past_len, dtype, device)
     _sync(device)
     t1 = time.perf_counter()
-    hidden = base(input_ids=tokens[None], position_ids=positions, attention_mask=mask, cache=cache,
-                  use_cache=True).last_hidden_state[0]
+    hidden = base(input_ids=tokens[None], position_ids=positions, cache=cache, use_cache=True,
+                  **seen).last_hidden_state[0]
     logits = head(hidden)
     predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions[0] + 1, tokens, tree)
     _sync(device)

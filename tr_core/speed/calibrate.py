@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import decoding
-from ..decoding import max_positions, top_k, tree_mask
+from ..decoding import max_positions, top_k, tree_attention
 from ..models import default_cache_dir
 from ..tree import build_tree, load_template
 from . import attention, kv, layouts, lean, native
@@ -102,11 +102,11 @@ class StepBench:
             tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
             ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
             if tree is None:
-                pos, mask = torch.tensor([[prefix]], device=device), None
+                pos, seen = torch.tensor([[prefix]], device=device), {}
             else:
                 pos = (prefix + tree.depth.to(device))[None]
-                mask = tree_mask(tree.to(device), prefix, model.dtype, device)
-            self.steps.append((n, ids, pos, mask))
+                seen = tree_attention(self.base, tree.to(device), prefix, model.dtype, device)  # as decoding does
+            self.steps.append((n, ids, pos, seen))
 
     @torch.inference_mode()
     def time_round(self, block: int) -> dict[int, list[float]]:
@@ -114,12 +114,12 @@ class StepBench:
         them (a step after a much larger one runs on evicted caches, which decoding never sees); the block's first
         step (the switch from the size before) runs uncounted."""
         times = {}
-        for n, ids, pos, mask in self.steps:
+        for n, ids, pos, seen in self.steps:
             times[n] = []
             for b in range(block + 1):
                 t0 = time.perf_counter()
-                hidden = self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache,
-                                   use_cache=True).last_hidden_state[0]
+                hidden = self.base(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
+                                   **seen).last_hidden_state[0]
                 logits = self.head(hidden)
                 if n > 1:  # a tree step also takes every node's top-k for the matrix update
                     top_k(logits, 8)

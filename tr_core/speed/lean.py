@@ -232,7 +232,9 @@ def _rows(out: torch.Tensor) -> None:
 
 class LeanLlama:
     """Callable like the base model in decoding (``input_ids``, ``position_ids``, ``attention_mask`` (a 4D additive
-    mask, or None for causal), ``cache``) and returning an object with ``last_hidden_state``."""
+    mask, or None for causal), ``cache``) and returning an object with ``last_hidden_state``. A tree step may give
+    ``visible`` instead of the mask ((n, n) bool: which of the step's rows each row sees, every cached position seen):
+    the windowed attention reads only that, and a 4D mask over the whole cache is not made each step."""
 
     def __init__(self, model: nn.Module):
         base = model.base_model
@@ -294,7 +296,7 @@ class LeanLlama:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, cache=None, use_cache: bool = True,
-                 **_) -> LeanOutput:
+                 visible: torch.Tensor | None = None, **_) -> LeanOutput:
         if cache is None:
             raise ValueError("LeanLlama needs a cache")
         batch, n = input_ids.shape
@@ -304,11 +306,12 @@ class LeanLlama:
             position_ids = (torch.arange(n, device=hidden.device) + past)[None]
         rows = None
         if batch == 1 and self.window is not None:
-            visible = None
             if attention_mask is not None:
                 visible = attention_mask[0, 0, :, past:]
                 visible = visible if visible.dtype == torch.bool else visible == 0
             rows = attention.row_keys(past, position_ids[0], visible, self.heads // self.kv_heads)
+        elif visible is not None and attention_mask is None:  # as a mask over the cache and the step's rows
+            attention_mask = torch.cat([visible.new_ones(n, past), visible], 1)[None, None]
         cos, sin = self._rotary(hidden, position_ids)
         if rows is not None:
             lib = self._native(hidden)
