@@ -230,15 +230,18 @@ def _cpu_has_avx512_for_linear() -> bool:
 
 @needs_compiler
 @pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
-@pytest.mark.parametrize("name, dtype", [("fp16n", torch.float16), ("native", torch.float32)])
+@pytest.mark.parametrize("name, dtype", [("fp16n", torch.float16), ("native", torch.float32),
+                                         ("bf16n", torch.bfloat16)])
 @pytest.mark.parametrize("out_features, in_features", [(80, 48), (7, 37), (3, 1000), (129, 16)])
 def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(name, dtype, out_features,
                                                                                  in_features):
-    """native.c's linear layers (the "fp16n" and "native" layouts) against the product of the (rounded) weights, with
-    tails in rows and outputs; every row's bits equal at every row count and thread count, also with cancelling sums
-    (where a different order of additions shows)."""
+    """native.c's linear layers (the "fp16n", "native" and "bf16n" layouts) against the product of the (rounded)
+    weights (and, for bf16 products, rounded inputs), with tails in rows, inputs and outputs; every row's bits equal at
+    every row count and thread count, also with cancelling sums (where a different order of additions shows)."""
     from tr_core.speed.layouts import LAYOUTS, available_layouts
     library_here()
+    if dtype == torch.bfloat16 and native.linear(dtype) is None:
+        pytest.skip("bf16 products need AVX-512 BF16")
     assert native.linear(dtype) is not None and name in available_layouts()
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(in_features)
@@ -249,7 +252,8 @@ def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(
     x[:, ::2] *= 1e4  # large terms that cancel in part: the rounding depends on the order of the sum
     full = layout.run(x, packed)
     assert full.shape == (81, out_features)
-    product = x.double() @ weight.to(dtype).double().t()
+    inputs = x.to(torch.bfloat16) if dtype == torch.bfloat16 else x  # bf16 products round their inputs
+    product = inputs.double() @ weight.to(dtype).double().t()
     torch.testing.assert_close(full.double(), product, rtol=1e-5, atol=1e-5 * x.abs().max().item())
     threads = torch.get_num_threads()
     try:
@@ -284,7 +288,7 @@ def test_the_c_linear_is_absent_without_the_library(rebuilt, monkeypatch):
 
 @needs_compiler
 @pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
-@pytest.mark.parametrize("mode, name", [("exact", "native"), ("fast", "fp16n")])
+@pytest.mark.parametrize("mode, name", [("exact", "native"), ("fast", "fp16n"), ("fast", "bf16n")])
 @torch.inference_mode()
 def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch, mode, name):
     """``tr_layers`` (the body's layers in one C call, where every linear layer runs native.c's kernel) against the
@@ -293,12 +297,16 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     from tr_core.speed import layouts
     library_here()
     assert native.stacked() is not None
+    if name not in layouts.available_layouts():
+        pytest.skip(f"{name} does not run on this CPU")
     model = tiny_model("llama", dtype=torch.float32)
     assert lean.fuse(model) and lean.stackable(model)
     counts = {s: len(ls) for s, ls in layouts.linear_shapes(model).items()}
-    other = "linear" if mode == "exact" else "fp16w"  # faster call by call, slower than the bare calls
-    timings = {(s, r, n): ms for s in counts for r in (1, 2, 4) for n, ms in ((name, 1.0), (other, 0.8))}
-    plan = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
+    # a layout of the same format faster call by call, slower than the bare calls (bf16 products have none)
+    others = {"native": ("linear",), "fp16n": ("fp16w",), "bf16n": ()}[name]
+    timings = {(s, r, n): ms for s in counts for r in (1, 2, 4) for n, ms in ((name, 1.0),) + tuple(
+        (other, 0.8) for other in others)}
+    plan = layouts.make_plan(mode, timings, counts, (name, *others), invariant={s: [name, *others] for s in counts},
                              inside={(s, r, name): 0.5 for s in counts for r in (1, 2, 4)})
     assert plan.stacked and plan.fmt == layouts.LAYOUTS[name].fmt
     assert {plan.layouts[s][r] for s in counts if s != layouts.HEAD for r in plan.rows} == {name}
@@ -339,6 +347,7 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     for a, b in zip(moved, run()):
         assert torch.equal(a, b)
     # where the bare calls score worse, the layouts stay those chosen call by call, and no pass runs in one call
-    slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
-                               inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})
-    assert not slower.stacked and slower.layouts[next(iter(counts))][1] == other
+    for other in others:
+        slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
+                                   inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})
+        assert not slower.stacked and slower.layouts[next(iter(counts))][1] == other

@@ -59,13 +59,16 @@ def mode_dtype(mode: str, model: nn.Module | None = None) -> tuple[torch.dtype, 
     if mode == "exact":
         return torch.float32, "exact: fp32"
     half = [name for name, ok in (("fp16 weights", fp16_weights_available()),
-                                  ("bf16", "bf16-linear" in layouts.available_layouts())) if ok]
+                                  ("bf16", "bf16-linear" in layouts.available_layouts()),
+                                  ("bf16 products", "bf16n" in layouts.available_layouts())) if ok]
     if not half:
         return torch.float32, "fast: fp32 (no fp16-weight kernel and no AVX-512 BF16/AMX on this CPU)"
     return torch.float32, f"fast: {' or '.join(half + ['fp32'])}, whichever measures fastest here"
 
 
-FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights, fp32 arithmetic", "bf16": "bf16"}
+FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights, fp32 arithmetic", "bf16": "bf16",
+                "bf16p": "bf16 weights and products, fp32 activations"}
+SHORT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16", "bf16p": "bf16 products"}
 
 
 def _bf16_unit() -> str:
@@ -108,7 +111,7 @@ def describe_invariance(plan: KernelPlan, attention: bool = True) -> str:
 def _describe_format(plan: KernelPlan) -> str:
     if plan.mode == "exact":
         return "exact: fp32"
-    short = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16"}
+    short = SHORT_NAMES
     whole = len(plan.whole_ms) > 1  # chosen on whole steps (``choose_plan``), else on the linear layers' times
     note = f"; {plan.whole_note}" if plan.whole_note else ""
     if plan.fmt in plan.speed and len(plan.speed) > 1:
@@ -197,7 +200,7 @@ class ChosenLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fmt = plan.fmt
         weight = linear.weight.detach()
-        if plan.fmt == "fp16":
+        if plan.fmt in ("fp16", "bf16p"):  # only the packed copies are read
             self.register_parameter("weight", None)
             self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), False)
         else:

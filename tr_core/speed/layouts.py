@@ -10,9 +10,11 @@ t(2) = t(1) on an AVX2 machine doubled t(2) on an AMX one). So nothing here is t
 3. ``kernel_plan`` caches the timings per machine, thread count, model and mode (``default_cache_dir()/kernels``) and
    returns the choice as a ``KernelPlan`` (plain data), which ``kernels.apply_plan`` puts into the model.
 
-Formats: ``fp32`` (exact mode: only these), ``fp16`` (fbgemm: fp16 weights, fp32 activations and arithmetic) and
-``bf16`` (bf16 weights and activations; a candidate only where the CPU has AVX-512 BF16 or AMX: emulated bf16 was
-slower than fp32 for tree forwards, and it rounds activations too, so only the fast mode may choose it).
+Formats: ``fp32`` (exact mode: only these), ``fp16`` (fbgemm or native.c: fp16 weights, fp32 activations and
+arithmetic), ``bf16`` (bf16 weights and activations; a candidate only where the CPU has AVX-512 BF16 or AMX: emulated
+bf16 was slower than fp32 for tree forwards, and it rounds activations too, so only the fast mode may choose it) and
+``bf16p`` (native.c's bf16 dot products: bf16 weights, each linear layer's inputs rounded to bf16, fp32 sums and fp32
+activations everywhere else; where the CPU has AVX-512 BF16 and the C library is built).
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 # the tie goes to the layout earlier in ``LAYOUTS`` (fewer extra weight copies, torch's own kernel first), and
 # between formats to the one earlier in ``FORMATS`` (fp32, then fp16, which keeps fp32 activations).
 TIE = 0.03
-FORMATS = ("fp32", "fp16", "bf16")
+# bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
+# only where native.c's tr_linear_bf16 runs (AVX-512 BF16)
+FORMATS = ("fp32", "fp16", "bf16", "bf16p")
 # Without the method's expected tokens, the format is chosen on the row counts up to this: plain decoding's one row
 # and the trees a CPU verifies (why not all 81: docs/speed.md, "Measurements behind the choices")
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
 # per format, the layout whose calls native.c's tr_layers makes itself (the lean forward's whole pass in one call,
 # where every body layer runs it); its calls are also timed bare, as they cost there (``measure``'s ``inside``)
-STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n"}
+STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n", "bf16p": "bf16n"}
 INSIDE = "inside:"  # the prefix of a bare call's timing, in ``measure``'s result and the cache file
 
 
@@ -107,8 +111,15 @@ class WeightTiles:
 
 
 def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
-    """``w`` (out, in) packed for native.c's linear layer of ``dtype``."""
+    """``w`` (out, in) packed for native.c's linear layer of ``dtype``: for bf16 (``tr_linear_bf16``) in tiles of 32
+    outputs by input pairs ((ceil(out / 32), ceil(in / 2), 32, 2): each output's weights of inputs 2p and 2p + 1 side
+    by side, zeros past ``out`` and ``in``), else input by input."""
     out, inp = w.shape
+    if dtype == torch.bfloat16:
+        pairs = -(-inp // 2)
+        padded = torch.zeros(-(-out // TILE) * TILE, 2 * pairs, dtype=dtype)
+        padded[:out, :inp] = w
+        return WeightTiles(padded.view(-1, TILE, pairs, 2).transpose(1, 2).contiguous(), out, inp)
     padded = torch.zeros(-(-out // TILE) * TILE, inp, dtype=dtype)
     fp16 = torch.finfo(torch.float16).max  # as fbgemm's packing does: a weight beyond fp16's range saturates
     padded[:out] = w.clamp(-fp16, fp16) if dtype == torch.float16 else w
@@ -123,20 +134,32 @@ def _fp32_tiles(w: torch.Tensor) -> WeightTiles:
     return weight_tiles(w, torch.float32)
 
 
+def _bf16_tiles(w: torch.Tensor) -> WeightTiles:
+    return weight_tiles(w, torch.bfloat16)
+
+
+def _tiles_shape(packed: WeightTiles) -> tuple[int, ...]:
+    """The shape of ``packed.tiles`` for its weight's shape (``weight_tiles``)."""
+    count = -(-packed.out_features // TILE)
+    if packed.tiles.dtype == torch.bfloat16:
+        return count, -(-packed.in_features // 2), TILE, 2
+    return count, packed.in_features, TILE
+
+
 def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
     # native.c's tr_linear_f16 / tr_linear_f32: every output one sum in a fixed order, whatever the row count
     # (row-invariant by construction; ``row_invariant`` checks it like any other layout's)
     tiles = packed.tiles
     if not _native_linear:
         from . import native
-        _native_linear.update({dtype: native.linear(dtype) for dtype in (torch.float16, torch.float32)})
+        _native_linear.update({dtype: native.linear(dtype) for dtype in (torch.float16, torch.float32, torch.bfloat16)})
     run = _native_linear.get(tiles.dtype)
     if run is None:
         raise RuntimeError(f"native {tiles.dtype} linear not built here (needs AVX-512 F/BW/VL and a C compiler)")
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != packed.in_features:
         raise ValueError(f"native linear takes contiguous fp32 (rows, {packed.in_features}), not "
                          f"{x.dtype} {tuple(x.shape)}")
-    if not tiles.is_contiguous() or tuple(tiles.shape) != (-(-packed.out_features // TILE), packed.in_features, TILE):
+    if not tiles.is_contiguous() or tuple(tiles.shape) != _tiles_shape(packed):
         raise ValueError(f"not tiles of a ({packed.out_features}, {packed.in_features}) weight: {tuple(tiles.shape)}")
     y = torch.empty(x.shape[0], packed.out_features, dtype=torch.float32)
     run(x.data_ptr(), tiles.data_ptr(), x.shape[0], x.shape[1], packed.out_features, y.data_ptr(),
@@ -156,7 +179,7 @@ def _bare_call(name: str):
     if name not in STACK_LAYOUTS.values() or name not in LAYOUTS:
         return None
     from . import native
-    fn = native.linear(torch.float32 if LAYOUTS[name].fmt == "fp32" else torch.float16)
+    fn = native.linear(TILE_DTYPE[LAYOUTS[name].fmt])
     if fn is None:
         return None
     threads = torch.get_num_threads()
@@ -231,13 +254,17 @@ def _layouts() -> dict[str, Layout]:
             out["fp16w"] = Layout("fp16w", "fp16", "fbgemm fp16 weights", _fp16_pack, _linear_fp16, True)
             out["fp16n"] = Layout("fp16n", "fp16", "fp16 weights, C kernel built for this CPU", _fp16_tiles,
                                   _linear_native, True)
+            out["bf16n"] = Layout("bf16n", "bf16p", "bf16 weights and products, C kernel built for this CPU",
+                                  _bf16_tiles, _linear_native, True)
     return out
 
 
 # in order of preference at a tie (see TIE)
 LAYOUTS: dict[str, Layout] = _layouts()
-FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bfloat16}  # activations and the model
-DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear"}  # beyond the timed row counts
+# activations and the model
+FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bfloat16, "bf16p": torch.float32}
+DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear", "bf16p": "bf16n"}  # beyond the timed rows
+TILE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16p": torch.bfloat16}  # native.c's weights per format
 
 
 # A row count may be computed as a larger one (zero rows added, then dropped): some matmuls are slower for 1 row
@@ -282,7 +309,7 @@ def available_layouts() -> tuple[str, ...]:
             got = layout.run(x, layout.pack(w))
         except (AttributeError, RuntimeError, NotImplementedError):
             continue
-        tol = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}[layout.fmt]
+        tol = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "bf16p": 5e-2}[layout.fmt]
         if got.shape == (3, 24) and torch.allclose(got.float(), F.linear(x32, w32), rtol=tol, atol=tol):
             names.append(name)
     return tuple(names)

@@ -455,13 +455,14 @@ class LeanLlama:
             pointers.append([w1.data_ptr(), tiles[0].tiles.data_ptr(), tiles[1].tiles.data_ptr(), w2.data_ptr(),
                              tiles[2].tiles.data_ptr(), tiles[3].tiles.data_ptr()])
             eps.append([eps1, eps2])
-        if len(dtypes) != 1 or dtypes - {torch.float16, torch.float32}:
+        if len(dtypes) != 1 or dtypes - {torch.float16, torch.float32, torch.bfloat16}:
             return None
         # the tiles and norms' memory is also held here (the layers may let go of it); the program is made anew after
         # the linears were swapped (``_layers``) or a norm's memory changed (``_program``)
         held = [t.detach() for row in calls for t in (row[0], row[4])] + [t.tiles for t in all_tiles]
         return (torch.tensor(pointers, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
-                dtypes == {torch.float16}, inter, held, _norm_pointers(calls))
+                {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtypes.pop()], inter, held,
+                _norm_pointers(calls))
 
     def _stacked(self, program, hidden, cos, sin, padded, rows, cache) -> torch.Tensor:
         """The pass as one ``tr_layers`` call: its work buffers (the queries (Hkv, padded, D), then q/k/v, attention's

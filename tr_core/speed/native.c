@@ -487,10 +487,94 @@ void NAME(const float *x, const WEIGHT *tiles, int n, int in, int out, float *y,
 LINEAR(tr_linear_f16, uint16_t, LOAD_F16)
 LINEAR(tr_linear_f32, float, LOAD_F32)
 
+#ifdef __AVX512BF16__
+/* y (n, out) = x (n, in) @ w^T with bf16 products (tr_linear_bf16): w bf16 and x rounded to bf16 (to nearest even),
+ * each product pair summed into fp32 by the CPU's bf16 dot product (vdpbf16ps: 32 multiplies an instruction, twice
+ * an fp32 multiply-add's, and no conversion of the weights). The weights come in tiles of TILE outputs by input pairs
+ * (layouts.py's bf16 pack): tile t holds, pair p after pair p, outputs TILE*t..TILE*t+TILE-1's weights of inputs
+ * 2p and 2p + 1 side by side (zeros past out and past in). Each output y[r][o] is one sum whatever the call: pair 0's
+ * two products into 0, then pair p's added for p in order, one dot-product instruction a pair; rows are computed
+ * 12, 8, 4, 3, 2 or 1 at a time against a tile, as in tr_linear_f16, so a row's bits do not depend on how many rows
+ * the call has. */
+#define ROW_ZERO_P(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
+#define ROW_DP(r)                                                                                                  \
+    {                                                                                                              \
+        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[(int64_t)(r) * pairs + p]);                               \
+        a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, w0);                                                               \
+        a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, w1);                                                               \
+    }
+#define LINEAR_PAIRS(R, EACH)                                                                                      \
+static void bf16_rows_##R(const uint32_t *x, const uint16_t *tile, int pairs, int out, float *y, int o0) {      \
+    EACH(ROW_ZERO_P)                                                                                               \
+    for (int p = 0; p < pairs; p++) {                                                                              \
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + (int64_t)p * 2 * TILE),                                  \
+                 w1 = (__m512bh)_mm512_loadu_si512(tile + (int64_t)p * 2 * TILE + TILE);                           \
+        EACH(ROW_DP)                                                                                               \
+    }                                                                                                              \
+    EACH(ROW_STORE)                                                                                                \
+}
+LINEAR_PAIRS(1, ROWS_1)
+LINEAR_PAIRS(2, ROWS_2)
+LINEAR_PAIRS(3, ROWS_3)
+LINEAR_PAIRS(4, ROWS_4)
+LINEAR_PAIRS(8, ROWS_8)
+LINEAR_PAIRS(12, ROWS_12)
+
+static void bf16_rows(int rows, const uint32_t *x, const uint16_t *tile, int r0, int pairs, int out, float *y,
+                      int o0) {
+    const uint32_t *xr = x + (int64_t)r0 * pairs;
+    float *yr = y + (int64_t)r0 * out;
+    switch (rows) {
+        case 12: bf16_rows_12(xr, tile, pairs, out, yr, o0); break;
+        case 8: bf16_rows_8(xr, tile, pairs, out, yr, o0); break;
+        case 4: bf16_rows_4(xr, tile, pairs, out, yr, o0); break;
+        case 3: bf16_rows_3(xr, tile, pairs, out, yr, o0); break;
+        case 2: bf16_rows_2(xr, tile, pairs, out, yr, o0); break;
+        case 1: bf16_rows_1(xr, tile, pairs, out, yr, o0); break;
+    }
+}
+
+void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
+    int pairs = (in + 1) / 2, count = (out + TILE - 1) / TILE;
+    uint32_t *xp = malloc(sizeof(uint32_t) * (size_t)n * pairs);
+    if (!xp) abort(); /* a few kB a call: without them the process could not go on anyway */
+    for (int r = 0; r < n; r++) { /* each row's inputs rounded to bf16, two to a 32-bit word (the odd one's pair 0) */
+        const float *xr = x + (int64_t)r * in;
+        uint16_t *h = (uint16_t *)(xp + (int64_t)r * pairs);
+        int i = 0;
+        for (; i + 32 <= in; i += 32)
+            _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16),
+                                                                    _mm512_loadu_ps(xr + i)));
+        if (i < in) {
+            float part[32] = {0};
+            memcpy(part, xr + i, sizeof(float) * (in - i));
+            uint16_t hs[32];
+            _mm512_storeu_si512(hs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(part + 16), _mm512_loadu_ps(part)));
+            memcpy(h + i, hs, sizeof(uint16_t) * (2 * pairs - i));
+        }
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int t = 0; t < count; t++) {
+        const uint16_t *tile = tiles + (int64_t)t * pairs * 2 * TILE;
+        int o0 = t * TILE, r = 0;
+        for (; n - r >= 12; r += 12) bf16_rows(12, xp, tile, r, pairs, out, y, o0);
+        if (n - r >= 8) {
+            bf16_rows(8, xp, tile, r, pairs, out, y, o0);
+            r += 8;
+        } else if (n - r >= 4) {
+            bf16_rows(4, xp, tile, r, pairs, out, y, o0);
+            r += 4;
+        }
+        if (n > r) bf16_rows(n - r, xp, tile, r, pairs, out, y, o0);
+    }
+    free(xp);
+}
+#endif
+
 /* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
- * tiles (fp16 where f16, else fp32); eps (layers, 2) the norms' epsilons; kv (layers, 3): its key and value buffers
+ * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms' epsilons; kv (layers, 3): its key and value buffers
  * (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
  * the embedded rows, the residual stream updated in place; x (n, d): the final norm's output. The buffers: qkv
  * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
@@ -502,9 +586,15 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
                const float *final_norm, float final_eps, int threads) {
     int nq = heads * dim, nkv = kv_heads * dim, width = nq + 2 * nkv;
     const float *last = NULL;
+#ifdef __AVX512BF16__
+#define LINEAR_BF16(in_rows, tiles, in, out, y) tr_linear_bf16(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)
+#else
+#define LINEAR_BF16(in_rows, tiles, in, out, y) abort()
+#endif
 #define LINEAR_CALL(in_rows, tiles, in, out, y)                                                                    \
-    (f16 ? tr_linear_f16(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)                              \
-         : tr_linear_f32(in_rows, (const float *)(tiles), n, in, out, y, threads))
+    (f16 == 2 ? LINEAR_BF16(in_rows, tiles, in, out, y)                                                            \
+     : f16    ? tr_linear_f16(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)                          \
+              : tr_linear_f32(in_rows, (const float *)(tiles), n, in, out, y, threads))
     for (int l = 0; l < layers; l++) {
         const int64_t *w = weights + (int64_t)l * 6, *c = kv + (int64_t)l * 3;
         float *keys = (float *)c[0], *values = (float *)c[1];

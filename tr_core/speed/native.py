@@ -6,8 +6,8 @@ arithmetic. ``native.c`` does each group of them in one call on raw fp32 buffers
 (``gcc -O3 -march=native``, so it uses this CPU's vector units) into the cache folder, keyed by its source, the
 compiler and the CPU; where there is no C compiler, or the build or its self-check fails, ``library()`` is None and
 the lean forward keeps its torch operations (``status()`` says why). Where the CPU has AVX-512, it also holds linear
-layers (fp32 and fp16 weights, ``linear``): candidates the kernel chooser measures beside torch's (layouts.py's
-"native" and "fp16n").
+layers (fp32 and fp16 weights, ``linear``; bf16 weights and products where it also has AVX-512 BF16): candidates the
+kernel chooser measures beside torch's (layouts.py's "native", "fp16n" and "bf16n").
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ SIGNATURES = {
 # built only where the CPU has them (AVX-512 F, BW and VL): linear layers, fp16 and fp32 weights (layouts.py's
 # "fp16n" and "native"), and the decoder layers' stack on them (the lean forward's whole pass in one call)
 OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P, _P, _I, _I, _I, _P, _I],
+            # and where the CPU has AVX-512 BF16: bf16 weights and products (layouts.py's "bf16n")
+            "tr_linear_bf16": [_P, _P, _I, _I, _I, _P, _I],
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
                           _P, _P, _P, _P, _P, _P, _F, _I]}
-LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32"}  # by the weights' dtype
+LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}  # by the
+# weights' dtype
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
 _SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).encode()).hexdigest()[:8]
@@ -145,8 +148,8 @@ _OPTIONAL_HERE: dict = {}  # the optional functions built here that passed their
 
 
 def linear(dtype: torch.dtype):
-    """The C linear layer for weights of ``dtype`` (fp16: ``tr_linear_f16``, fp32: ``tr_linear_f32``), or None where
-    the library or the CPU lacks it (or it failed its check)."""
+    """The C linear layer for weights of ``dtype`` (fp16: ``tr_linear_f16``, fp32: ``tr_linear_f32``, bf16:
+    ``tr_linear_bf16``), or None where the library or the CPU lacks it (or it failed its check)."""
     return _OPTIONAL_HERE.get(LINEAR.get(dtype)) if library() is not None else None
 
 
@@ -204,4 +207,6 @@ def _optional_check(name: str, fn) -> bool:
     x, w = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g).to(dtype)
     y, tiles = torch.empty(6, 7, dtype=torch.float32), weight_tiles(w, dtype).tiles
     fn(x.data_ptr(), tiles.data_ptr(), 6, 37, 7, y.data_ptr(), torch.get_num_threads())
+    if dtype == torch.bfloat16:  # the products' inputs rounded to bf16, each product exact in fp32
+        x = x.to(torch.bfloat16).float()
     return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
