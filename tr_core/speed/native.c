@@ -112,26 +112,10 @@ void tr_rope_store(const float *q, const float *k, const float *v, int64_t strid
 }
 
 /* A row's scores: w[j] = q . keys[j] for the shared keys j < start, then w[start + j] = q . keys[idx[j]] for its
- * window's offsets j, -inf where not ok[j]. With AVX-512 and D = 64, q is held in registers and each key's products
- * are summed by fused multiply-adds, the lanes by the compiler's fixed sequence (the same for every row). */
+ * window's offsets j, -inf where not ok[j]. (With AVX-512 and D = 64, attend_rows64 computes rows instead.) */
 static void scores_row(const float *q, const float *keys, int64_t start, const int64_t *idx, const uint8_t *ok,
                        int dim, float *w) {
     float *own = w + start;
-#ifdef HAVE_AVX512
-    if (dim == 64) {
-        __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
-               q3 = _mm512_loadu_ps(q + 48);
-#define DOT64(k)                                                                                                   \
-    _mm512_reduce_add_ps(_mm512_fmadd_ps(                                                                          \
-        q3, _mm512_loadu_ps((k) + 48),                                                                             \
-        _mm512_fmadd_ps(q2, _mm512_loadu_ps((k) + 32),                                                             \
-                        _mm512_fmadd_ps(q1, _mm512_loadu_ps((k) + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k))))))
-        for (int64_t j = 0; j < start; j++) w[j] = DOT64(keys + j * 64);
-        for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? DOT64(keys + idx[j] * 64) : -INFINITY;
-#undef DOT64
-        return;
-    }
-#endif
     for (int64_t j = 0; j < start; j++) w[j] = dot(q, keys + j * dim, dim);
     for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? dot(q, keys + idx[j] * dim, dim) : -INFINITY;
 }
@@ -159,34 +143,10 @@ static float softmax_row(float *w, int64_t start, const uint8_t *ok) {
 }
 
 /* out (D) = (sum over the shared keys of w[j] * values[j], then over the window's valid offsets of
- * w[start + j] * values[idx[j]], in that order) / total. With AVX-512 and D = 64 the sums are held in registers. */
+ * w[start + j] * values[idx[j]], in that order) / total. (With AVX-512 and D = 64, attend_rows64 instead.) */
 static void values_row(const float *w, const float *values, int64_t start, const int64_t *idx, const uint8_t *ok,
                        int dim, float total, float *out) {
     const float *own = w + start;
-#ifdef HAVE_AVX512
-    if (dim == 64) {
-        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-#define ADD64(a, v)                                                                                                \
-    {                                                                                                              \
-        __m512 s = _mm512_set1_ps(a);                                                                              \
-        const float *vr = (v);                                                                                     \
-        o0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr), o0);                                                          \
-        o1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 16), o1);                                                     \
-        o2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 32), o2);                                                     \
-        o3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 48), o3);                                                     \
-    }
-        for (int64_t j = 0; j < start; j++) ADD64(w[j], values + j * 64)
-        for (int j = 0; j < BLOCK; j++)
-            if (ok[j]) ADD64(own[j], values + idx[j] * 64)
-#undef ADD64
-        __m512 t = _mm512_set1_ps(total);
-        _mm512_storeu_ps(out, _mm512_div_ps(o0, t));
-        _mm512_storeu_ps(out + 16, _mm512_div_ps(o1, t));
-        _mm512_storeu_ps(out + 32, _mm512_div_ps(o2, t));
-        _mm512_storeu_ps(out + 48, _mm512_div_ps(o3, t));
-        return;
-    }
-#endif
     for (int d = 0; d < dim; d++) out[d] = 0.0f;
     for (int64_t j = 0; j < start; j++)
         for (int d = 0; d < dim; d++) out[d] += w[j] * values[j * dim + d];
@@ -208,8 +168,8 @@ static void attend_row(const float *q, const float *keys, const float *values, i
 #ifdef HAVE_AVX512
 /* The lane sums of 16 vectors p[0..15], as one vector (lane j: the sum of p[j]'s lanes), each by the tree gcc's
  * _mm512_reduce_add_ps takes (lane i plus lane i + 8, then i + 4, i + 2, i + 1; each addition commutes exactly), so
- * a sum has the same bits as that reduction's; 15 additions and 31 shuffles where 16 reductions take ~100 operations.
- * (tests/test_native.py checks the bits against attend_row's.) */
+ * a sum has the same bits as that reduction's (the logits came out bit-equal to the build that reduced key by key);
+ * 15 additions and 31 shuffles where 16 reductions take ~100 operations. */
 static inline __m512 sum16(const __m512 *p) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) /* p[2i]'s lanes i + (i + 8) in the low half, p[2i + 1]'s in the high */
@@ -230,11 +190,14 @@ static inline __m512 sum16(const __m512 *p) {
 
 /* attend_row for rows 0..B-1 of one kv head (D = 64), which share its keys and values: queries q + b * 64 (scaled),
  * row b's window idx_b / ok_b (index / valid + (row0 + b) / group * BLOCK), out_b = out + ((row0 + b) / group * heads
- * + kv * group + (row0 + b) % group) * 64. Each row's scores, softmax and weighted values are computed by exactly
- * attend_row's sequence of operations (the same bits whatever rows go with it); only the loops are nested the other
- * way, KEYS_AT_ONCE shared keys at a time for all B rows, so a tree's rows read the shared keys and values from L1
- * instead of each streaming them from L2 (measured ~2.5x slower for 16 rows). w: B * (start + BLOCK) floats, acc:
- * B * 64 floats of scratch. */
+ * + kv * group + (row0 + b) % group) * 64. A row's scores (a key's 16 lanes of products by one multiply and three
+ * fused multiply-adds, the lanes summed by _mm512_reduce_add_ps's tree: sum16 for 16 shared keys at once), softmax
+ * (softmax_row) and weighted values (one chain of multiply-adds over the keys in order, in four registers) are one
+ * fixed sequence of operations whatever rows go with it, the same bits as when each row was computed alone (the
+ * logits came out bit-equal to that build); only the loops are nested the other way, KEYS_AT_ONCE shared keys at a
+ * time for all B rows, so a tree's rows read the shared keys and values from L1 rather than each streaming them from
+ * L2 (16 rows at 1,024 keys: 441-486 -> 349-371 us a layer). w: B * (start + BLOCK) floats, acc: B * 64 floats of
+ * scratch. */
 static void attend_rows64(const float *q, int B, const float *keys, const float *values, int64_t start,
                           const int64_t *index, const uint8_t *valid, int row0, int group, int heads, int kv,
                           float *w, float *acc, float *out) {
