@@ -3,9 +3,11 @@ with), and the matmul kernels each runs on:
 
 - ``exact``: fp32, the model's own numerics.
 - ``fast``: a decoding step on a CPU is memory-bound (every weight is streamed once per step), so the fast mode may
-  store the weights in half the bytes: fp16 weights with fp32 activations and arithmetic (fbgemm; each weight rounded
-  once, a relative change of at most 2^-11), or bf16 weights and activations where the CPU has AVX-512 BF16 or AMX
-  (activations rounded too). Which one, if either, is chosen by measurement (``layouts.choose_format``).
+  store the weights in half the bytes: fp16 weights with fp32 activations and arithmetic (fbgemm or native.c; each
+  weight rounded once, a relative change of at most 2^-11), bf16 weights and activations where the CPU has AVX-512
+  BF16 or AMX (activations rounded too), or, where it has AVX-512 BF16, bf16 dot products (native.c: each linear
+  layer's inputs rounded to bf16, fp32 everywhere else). Which one, if any, is chosen by timing whole steps of each
+  (``choose_plan``).
 
 In both modes each linear layer (``ChosenLinear``) and the output layer (``OutputHead``) compute every row count with
 one matmul layout per shape (``layouts.py``: F.linear, (W @ x^T)^T, x @ W^T from a transposed copy, oneDNN-prepacked,
