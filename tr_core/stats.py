@@ -34,9 +34,10 @@ _PAUSED_LOCK = threading.Lock()
 @contextmanager
 def collector_paused():
     """No automatic cyclic garbage collection while the block runs, in any thread; what the process owes is
-    collected after it. For the timed steps of a live run and of plain decoding measured beside it: in the app's
-    process a full collection took up to 389 ms (measured in test_app.py's runs), and one inside a step would be
-    billed to whichever method ran it, when the garbage and the objects scanned are the page's. Blocks may nest and
+    collected after it. For the timed steps of a live run and of plain decoding measured beside it, the race's runs
+    and the benchmark's questions: in the app's process a full collection took up to 389 ms (measured in
+    test_app.py's runs), and one inside a step would be billed to whichever method ran it, when the garbage and the
+    objects scanned are the page's (or the benchmark's). Blocks may nest and
     overlap across threads; the collector comes back on when the last ends (unless it was off before the first)."""
     with _PAUSED_LOCK:
         if _PAUSED["holders"] == 0:

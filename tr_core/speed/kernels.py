@@ -292,8 +292,7 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
     if len(plans) < 2:
         return first
     sizes = WHOLE_SIZES if gain else tuple(n for n in WHOLE_SIZES if n <= layouts.FORMAT_MAX_ROWS)
-    whole, why = whole_steps(model, plans, sizes, cache=first.source != "measured here on a busy machine, not cached",
-                             remeasure=remeasure)
+    whole, why = whole_steps(model, plans, sizes, cache=first.source != layouts.BUSY_SOURCE, remeasure=remeasure)
     if whole is None:
         first.whole_note = why
         return first
@@ -357,7 +356,7 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     if cache and not busy:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(steps, indent=1))
-    return steps, "measured here" + (" on a busy machine, not cached" if busy else "")
+    return steps, layouts.BUSY_SOURCE if busy else "measured here"
 
 
 def own_weights(model: nn.Module) -> None:

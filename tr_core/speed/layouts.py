@@ -53,6 +53,7 @@ HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>
 # where every body layer runs it); its calls are also timed bare, as they cost there (``measure``'s ``inside``)
 STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n", "bf16p": "bf16n"}
 INSIDE = "inside:"  # the prefix of a bare call's timing, in ``measure``'s result and the cache file
+BUSY_SOURCE = "measured here on a busy machine, not cached"  # a plan's source where other processes competed
 
 
 def cpu_has_native_bf16() -> bool:
@@ -147,7 +148,7 @@ def _tiles_shape(packed: WeightTiles) -> tuple[int, ...]:
 
 
 def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
-    # native.c's tr_linear_f16 / tr_linear_f32: every output one sum in a fixed order, whatever the row count
+    # native.c's tr_linear_f16 / _f32 / _bf16: every output one sum in a fixed order, whatever the row count
     # (row-invariant by construction; ``row_invariant`` checks it like any other layout's)
     tiles = packed.tiles
     if not _native_linear:
@@ -869,7 +870,7 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     if busy:  # a busy machine's timings are mostly scheduler stalls (seen: every 2-thread matmul taking a 12 or 24 ms
         # time slice while other processes ran)
         return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside,
-                    source="measured here on a busy machine, not cached")
+                    source=BUSY_SOURCE)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]

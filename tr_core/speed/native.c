@@ -408,8 +408,24 @@ static void NAME##_##R(const float *x, const WEIGHT *tile, int in, int out, floa
 #define ROWS_4(F) ROWS_3(F) F(3)
 #define ROWS_8(F) ROWS_4(F) F(4) F(5) F(6) F(7)
 #define ROWS_12(F) ROWS_8(F) F(8) F(9) F(10) F(11)
-/* The kernels for 1, 2, 3, 4, 8 and 12 rows of one weight type; then all rows of a call (12 at a time, the last 0
- * to 11 in at most two calls), its tiles shared among the threads. */
+/* A call's rows against one tile, as calls FN(rows, x, tile, r0, ...) of a kernel for that many rows from row r0:
+ * 12 at a time, then 8 or 4, then the last 0 to 3 in one call (how many go together never changes how one row is
+ * computed). */
+#define TILE_ROWS(n, FN, x, tile, ...)                                                                             \
+    {                                                                                                              \
+        int r_ = 0;                                                                                                \
+        for (; (n) - r_ >= 12; r_ += 12) FN(12, x, tile, r_, __VA_ARGS__);                                        \
+        if ((n) - r_ >= 8) {                                                                                       \
+            FN(8, x, tile, r_, __VA_ARGS__);                                                                       \
+            r_ += 8;                                                                                               \
+        } else if ((n) - r_ >= 4) {                                                                                \
+            FN(4, x, tile, r_, __VA_ARGS__);                                                                       \
+            r_ += 4;                                                                                               \
+        }                                                                                                          \
+        if ((n) > r_) FN((n) - r_, x, tile, r_, __VA_ARGS__);                                                      \
+    }
+/* The kernels for 1, 2, 3, 4, 8 and 12 rows of one weight type; then all rows of a call (TILE_ROWS), its tiles
+ * shared among the threads. */
 #define LINEAR(NAME, WEIGHT, LOAD)                                                                                 \
 LINEAR_ROWS(NAME, WEIGHT, LOAD, 1, ROWS_1)                                                                         \
 LINEAR_ROWS(NAME, WEIGHT, LOAD, 2, ROWS_2)                                                                         \
@@ -434,16 +450,8 @@ void NAME(const float *x, const WEIGHT *tiles, int n, int in, int out, float *y,
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                                              \
     for (int t = 0; t < count; t++) {                                                                              \
         const WEIGHT *tile = tiles + (int64_t)t * in * TILE;                                                       \
-        int o0 = t * TILE, r = 0;                                                                                  \
-        for (; n - r >= 12; r += 12) NAME##_rows(12, x, tile, r, in, out, y, o0);                                 \
-        if (n - r >= 8) {                                                                                          \
-            NAME##_rows(8, x, tile, r, in, out, y, o0);                                                            \
-            r += 8;                                                                                                \
-        } else if (n - r >= 4) {                                                                                   \
-            NAME##_rows(4, x, tile, r, in, out, y, o0);                                                            \
-            r += 4;                                                                                                \
-        }                                                                                                          \
-        if (n > r) NAME##_rows(n - r, x, tile, r, in, out, y, o0);                                                 \
+        int o0 = t * TILE;                                                                                         \
+        TILE_ROWS(n, NAME##_rows, x, tile, in, out, y, o0)                                                         \
     }                                                                                                              \
 }
 
@@ -456,9 +464,8 @@ LINEAR(tr_linear_f32, float, LOAD_F32)
  * an fp32 multiply-add's, and no conversion of the weights). The weights come in tiles of TILE outputs by input pairs
  * (layouts.py's bf16 pack): tile t holds, pair p after pair p, outputs TILE*t..TILE*t+TILE-1's weights of inputs
  * 2p and 2p + 1 side by side (zeros past out and past in). Each output y[r][o] is one sum whatever the call: pair 0's
- * two products into 0, then pair p's added for p in order, one dot-product instruction a pair; rows are computed
- * 12, 8, 4, 3, 2 or 1 at a time against a tile, as in tr_linear_f16, so a row's bits do not depend on how many rows
- * the call has. */
+ * two products into 0, then pair p's added for p in order, one dot-product instruction a pair; rows go against a
+ * tile as in tr_linear_f16 (TILE_ROWS), so a row's bits do not depend on how many rows the call has. */
 #define ROW_ZERO_P(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
 #define ROW_DP(r)                                                                                                  \
     {                                                                                                              \
@@ -519,16 +526,8 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
     _Pragma("omp parallel for schedule(static) num_threads(threads)")
     for (int t = 0; t < count; t++) {
         const uint16_t *tile = tiles + (int64_t)t * pairs * 2 * TILE;
-        int o0 = t * TILE, r = 0;
-        for (; n - r >= 12; r += 12) bf16_rows(12, xp, tile, r, pairs, out, y, o0);
-        if (n - r >= 8) {
-            bf16_rows(8, xp, tile, r, pairs, out, y, o0);
-            r += 8;
-        } else if (n - r >= 4) {
-            bf16_rows(4, xp, tile, r, pairs, out, y, o0);
-            r += 4;
-        }
-        if (n > r) bf16_rows(n - r, xp, tile, r, pairs, out, y, o0);
+        int o0 = t * TILE;
+        TILE_ROWS(n, bf16_rows, xp, tile, pairs, out, y, o0)
     }
     free(xp);
 }
@@ -537,7 +536,8 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
 /* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
- * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms' epsilons; kv (layers, 3): its key and value buffers
+ * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms'
+ * epsilons; kv (layers, 3): its key and value buffers
  * (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
  * the embedded rows, the residual stream updated in place; x (n, d): the final norm's output. The buffers: qkv
  * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
