@@ -362,11 +362,11 @@ void tr_attend(const float *queries, int padded, const float *keys, const float 
  * TILE*t..TILE*t+TILE-1 (zeros past out), so each tile is read front to back, one stream the prefetcher follows.
  *
  * Each output y[r][o] is one sum whatever the call: x[r][0] * w[o][0], then + x[r][i] * w[o][i] for i in order, each
- * step one fused multiply-add (explicit, so the same on every compiler). Rows are computed 12, 8, 4, 3, 2 or 1 at a
- * time against a tile (one load of its weights, as fp32, serves them all); how many changes which sums run side by
- * side, never how one is computed, so a row's bits do not depend on how many rows the call has. Tiles are shared
- * among `threads` OpenMP threads (torch's own runtime, which the library finds loaded). For one row the weights'
- * reading is the whole cost; for many, the multiply-adds. */
+ * step one fused multiply-add (explicit, so the same on every compiler). Rows are computed 12 at a time against a
+ * tile, then the rest (1 to 11) together (one load of its weights, as fp32, serves them all); how many changes which
+ * sums run side by side, never how one is computed, so a row's bits do not depend on how many rows the call has.
+ * Tiles are shared among `threads` OpenMP threads (torch's own runtime, which the library finds loaded). For one row
+ * the weights' reading is the whole cost; for many, the multiply-adds. */
 #define TILE 32
 
 #define ROW_ZERO(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
@@ -406,44 +406,52 @@ static void NAME##_##R(const float *x, const WEIGHT *tile, int in, int out, floa
 #define ROWS_2(F) ROWS_1(F) F(1)
 #define ROWS_3(F) ROWS_2(F) F(2)
 #define ROWS_4(F) ROWS_3(F) F(3)
-#define ROWS_8(F) ROWS_4(F) F(4) F(5) F(6) F(7)
-#define ROWS_12(F) ROWS_8(F) F(8) F(9) F(10) F(11)
+#define ROWS_5(F) ROWS_4(F) F(4)
+#define ROWS_6(F) ROWS_5(F) F(5)
+#define ROWS_7(F) ROWS_6(F) F(6)
+#define ROWS_8(F) ROWS_7(F) F(7)
+#define ROWS_9(F) ROWS_8(F) F(8)
+#define ROWS_10(F) ROWS_9(F) F(9)
+#define ROWS_11(F) ROWS_10(F) F(10)
+#define ROWS_12(F) ROWS_11(F) F(11)
+/* The kernels of one kind for 1 to 12 rows (KERNEL(..., R, ROWS_R) each), and a switch calling the one for `rows`. */
+#define EACH_ROW_COUNT(KERNEL, ...)                                                                                \
+    KERNEL(__VA_ARGS__, 1, ROWS_1) KERNEL(__VA_ARGS__, 2, ROWS_2) KERNEL(__VA_ARGS__, 3, ROWS_3)                   \
+    KERNEL(__VA_ARGS__, 4, ROWS_4) KERNEL(__VA_ARGS__, 5, ROWS_5) KERNEL(__VA_ARGS__, 6, ROWS_6)                   \
+    KERNEL(__VA_ARGS__, 7, ROWS_7) KERNEL(__VA_ARGS__, 8, ROWS_8) KERNEL(__VA_ARGS__, 9, ROWS_9)                   \
+    KERNEL(__VA_ARGS__, 10, ROWS_10) KERNEL(__VA_ARGS__, 11, ROWS_11) KERNEL(__VA_ARGS__, 12, ROWS_12)
+#define ROW_COUNT_SWITCH(rows, NAME, ...)                                                                          \
+    switch (rows) {                                                                                                \
+        case 1: NAME##_1(__VA_ARGS__); break;                                                                      \
+        case 2: NAME##_2(__VA_ARGS__); break;                                                                      \
+        case 3: NAME##_3(__VA_ARGS__); break;                                                                      \
+        case 4: NAME##_4(__VA_ARGS__); break;                                                                      \
+        case 5: NAME##_5(__VA_ARGS__); break;                                                                      \
+        case 6: NAME##_6(__VA_ARGS__); break;                                                                      \
+        case 7: NAME##_7(__VA_ARGS__); break;                                                                      \
+        case 8: NAME##_8(__VA_ARGS__); break;                                                                      \
+        case 9: NAME##_9(__VA_ARGS__); break;                                                                      \
+        case 10: NAME##_10(__VA_ARGS__); break;                                                                    \
+        case 11: NAME##_11(__VA_ARGS__); break;                                                                    \
+        case 12: NAME##_12(__VA_ARGS__); break;                                                                    \
+    }
 /* A call's rows against one tile, as calls FN(rows, x, tile, r0, ...) of a kernel for that many rows from row r0:
- * 12 at a time, then 8 or 4, then the last 0 to 3 in one call (how many go together never changes how one row is
- * computed). */
+ * 12 at a time, then the last 1 to 11 in one call, so each row count up to 12 reads a tile's weights once (how many
+ * go together never changes how one row is computed). */
 #define TILE_ROWS(n, FN, x, tile, ...)                                                                             \
     {                                                                                                              \
         int r_ = 0;                                                                                                \
         for (; (n) - r_ >= 12; r_ += 12) FN(12, x, tile, r_, __VA_ARGS__);                                        \
-        if ((n) - r_ >= 8) {                                                                                       \
-            FN(8, x, tile, r_, __VA_ARGS__);                                                                       \
-            r_ += 8;                                                                                               \
-        } else if ((n) - r_ >= 4) {                                                                                \
-            FN(4, x, tile, r_, __VA_ARGS__);                                                                       \
-            r_ += 4;                                                                                               \
-        }                                                                                                          \
         if ((n) > r_) FN((n) - r_, x, tile, r_, __VA_ARGS__);                                                      \
     }
-/* The kernels for 1, 2, 3, 4, 8 and 12 rows of one weight type; then all rows of a call (TILE_ROWS), its tiles
- * shared among the threads. */
+/* The kernels for 1 to 12 rows of one weight type; then all rows of a call (TILE_ROWS), its tiles shared among the
+ * threads. */
 #define LINEAR(NAME, WEIGHT, LOAD)                                                                                 \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 1, ROWS_1)                                                                         \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 2, ROWS_2)                                                                         \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 3, ROWS_3)                                                                         \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 4, ROWS_4)                                                                         \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 8, ROWS_8)                                                                         \
-LINEAR_ROWS(NAME, WEIGHT, LOAD, 12, ROWS_12)                                                                       \
+EACH_ROW_COUNT(LINEAR_ROWS, NAME, WEIGHT, LOAD)                                                                   \
 static void NAME##_rows(int rows, const float *x, const WEIGHT *tile, int r0, int in, int out, float *y, int o0) {\
     const float *xr = x + (int64_t)r0 * in;                                                                        \
     float *yr = y + (int64_t)r0 * out;                                                                             \
-    switch (rows) {                                                                                                \
-        case 12: NAME##_12(xr, tile, in, out, yr, o0); break;                                                      \
-        case 8: NAME##_8(xr, tile, in, out, yr, o0); break;                                                        \
-        case 4: NAME##_4(xr, tile, in, out, yr, o0); break;                                                        \
-        case 3: NAME##_3(xr, tile, in, out, yr, o0); break;                                                        \
-        case 2: NAME##_2(xr, tile, in, out, yr, o0); break;                                                        \
-        case 1: NAME##_1(xr, tile, in, out, yr, o0); break;                                                        \
-    }                                                                                                              \
+    ROW_COUNT_SWITCH(rows, NAME, xr, tile, in, out, yr, o0)                                                        \
 }                                                                                                                  \
 void NAME(const float *x, const WEIGHT *tiles, int n, int in, int out, float *y, int threads) {                  \
     int count = (out + TILE - 1) / TILE;                                                                           \
@@ -473,8 +481,8 @@ LINEAR(tr_linear_f32, float, LOAD_F32)
         a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, w0);                                                               \
         a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, w1);                                                               \
     }
-#define LINEAR_PAIRS(R, EACH)                                                                                      \
-static void bf16_rows_##R(const uint32_t *x, const uint16_t *tile, int pairs, int out, float *y, int o0) {      \
+#define LINEAR_PAIRS(NAME, R, EACH)                                                                                \
+static void NAME##_##R(const uint32_t *x, const uint16_t *tile, int pairs, int out, float *y, int o0) {            \
     EACH(ROW_ZERO_P)                                                                                               \
     for (int p = 0; p < pairs; p++) {                                                                              \
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + (int64_t)p * 2 * TILE),                                  \
@@ -483,25 +491,13 @@ static void bf16_rows_##R(const uint32_t *x, const uint16_t *tile, int pairs, in
     }                                                                                                              \
     EACH(ROW_STORE)                                                                                                \
 }
-LINEAR_PAIRS(1, ROWS_1)
-LINEAR_PAIRS(2, ROWS_2)
-LINEAR_PAIRS(3, ROWS_3)
-LINEAR_PAIRS(4, ROWS_4)
-LINEAR_PAIRS(8, ROWS_8)
-LINEAR_PAIRS(12, ROWS_12)
+EACH_ROW_COUNT(LINEAR_PAIRS, bf16_rows)
 
 static void bf16_rows(int rows, const uint32_t *x, const uint16_t *tile, int r0, int pairs, int out, float *y,
                       int o0) {
     const uint32_t *xr = x + (int64_t)r0 * pairs;
     float *yr = y + (int64_t)r0 * out;
-    switch (rows) {
-        case 12: bf16_rows_12(xr, tile, pairs, out, yr, o0); break;
-        case 8: bf16_rows_8(xr, tile, pairs, out, yr, o0); break;
-        case 4: bf16_rows_4(xr, tile, pairs, out, yr, o0); break;
-        case 3: bf16_rows_3(xr, tile, pairs, out, yr, o0); break;
-        case 2: bf16_rows_2(xr, tile, pairs, out, yr, o0); break;
-        case 1: bf16_rows_1(xr, tile, pairs, out, yr, o0); break;
-    }
+    ROW_COUNT_SWITCH(rows, bf16_rows, xr, tile, pairs, out, yr, o0)
 }
 
 void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
