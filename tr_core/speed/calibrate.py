@@ -4,8 +4,8 @@ Token Recycling pays off when verifying a tree of N tokens costs little more tha
 datacenter GPU that holds up to N ~ 80; on a 2-core CPU the cost grows from N ~ 8. ``measure_forward_ms`` measures
 t(N), the step latency for N tree tokens on a cached prefix, for the loaded model, its kernels and this machine
 (cached on disk, keyed by the code that measures it); ``context_curve`` averages it over contexts. ``fitting.py``
-fits the draft tree to it; ``python -m tr_core.speed.calibrate --show`` prints the kernels, the read bandwidth and the
-plain step against the time its weights take to stream.
+fits the draft tree to it; ``python -m tr_core.speed.calibrate --show`` prints the kernels, the read bandwidth, the
+plain step against the time its weights take to stream and t(16)/t(1) against the least the CPU's arithmetic allows.
 """
 
 from __future__ import annotations
@@ -340,11 +340,46 @@ def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
     return sum(layer.weight.numel() * size for layers in linear_shapes(model).values() for layer in layers)
 
 
+# the instruction whose peak bounds a format's linear layers from below (``native.peak_products``'s kinds)
+PEAK_OF_FORMAT = {"fp32": "fma", "fp16": "fma", "bf16p": "bf16dot"}
+
+
+def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None) -> float:
+    """The least time a pass of ``rows`` rows can take on this machine: its weights streamed once (``stream_ms``)
+    or its ``products`` a row at the CPU's ``peak`` products a second, whichever is longer (they overlap at best);
+    the streaming time alone where the peak is unknown.
+
+    >>> step_floor_ms(1, 8.0, 100_000_000, 1e11), step_floor_ms(16, 8.0, 100_000_000, 1e11)
+    (8.0, 16.0)
+    """
+    return max(stream_ms, rows * products / peak * 1e3) if peak else stream_ms
+
+
+def limits_line(mode: str, fmt: str, step: dict[int, float], size: int, bandwidth_gbs: float, products: int,
+                peak: float | None, small: str) -> str:
+    """``show_limits``'s line from its measurements: the plain step (``step[1]``, ms) against its weights' streaming
+    time (``size`` bytes at ``bandwidth_gbs``), and t(16)/t(1) against its floor here (``step_floor_ms``, with the
+    CPU's ``peak`` products a second of the format's instruction, None where not measured)."""
+    stream = size / bandwidth_gbs / 1e6
+    line = (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
+            f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
+            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}")
+    if peak:
+        floor = step_floor_ms(16, stream, products, peak)
+        line += (f", where this CPU allows no less than {floor / stream:.2f} (16 rows' {16 * products / 1e9:.2f} G "
+                 f"products at its measured peak of {peak / 1e9:.0f} G a second, {PEAK_OF_FORMAT[fmt]} on "
+                 f"{torch.get_num_threads()} threads, take {16 * products / peak * 1e3:.1f} ms; t(16) is "
+                 f"{step[16] / floor:.2f}x that floor)")
+    return f"{line}; small operations: {small}"
+
+
 def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
     """One line: ``mode``'s plain (one-token) step on this machine against the time its weights take to stream at
-    ``bandwidth_gbs`` (the step's memory limit). Prepares a copy of ``model`` (fp32, unprepared) in the mode."""
+    ``bandwidth_gbs`` (the step's memory limit), and its 16-row pass against the least the CPU's peak arithmetic
+    allows (``limits_line``). Prepares a copy of ``model`` (fp32, unprepared) in the mode."""
     import copy
 
+    from . import native
     from .kernels import plan_of, prepare_model
 
     prepared = copy.deepcopy(model)
@@ -352,20 +387,18 @@ def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
     plan = plan_of(prepared)
     fmt = plan.fmt if plan is not None else "fp32"
     step = measure_forward_ms(prepared, sizes=(1, 16), use_cache_file=False)
-    size = weight_bytes(model, fmt)
-    stream = size / bandwidth_gbs / 1e6
     forward = body(prepared)
     small = forward.small_ops() if hasattr(forward, "small_ops") else "the model's own forward"
-    return (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
-            f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
-            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}; small operations: "
-            f"{small}")
+    kind = PEAK_OF_FORMAT.get(fmt)
+    peak = native.peak_products(kind) if kind else None
+    return limits_line(mode, fmt, step, weight_bytes(model, fmt), bandwidth_gbs, weight_bytes(model, "fp32") // 4,
+                       peak, small)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m tr_core.speed.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this
     machine for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
-    plain step against the time its weights take to stream."""
+    plain step against the time its weights take to stream, and t(16)/t(1) against its floor here."""
     import argparse
 
     from ..models import load_model

@@ -529,6 +529,43 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
 }
 #endif
 
+/* The CPU's peak rate of the linear layers' products, for calibrate.py's limits: each of `threads` threads runs
+ * `rounds` rounds of 16 independent chains of one multiply instruction on registers (no memory: the arithmetic
+ * alone), kind 0 fp32 fused multiply-adds (16 products each; the fp32 and fp16-weight layers' instruction), kind 2
+ * bf16 dot products (32 each; tr_linear_bf16's, where the CPU has them; otherwise the call does nothing). 16 chains:
+ * more than the instructions' latency times their throughput (on an AMD EPYC, 8 chains already ran at the peak),
+ * few enough to stay in registers (24 in an array spilled to memory and ran at half the rate). sink[thread]: a sum
+ * that keeps the work from being optimised away. */
+#define CHAINS16(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+void tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
+    _Pragma("omp parallel for schedule(static, 1) num_threads(threads)")
+    for (int t = 0; t < threads; t++) {
+#define CHAIN_ZERO(c) __m512 a##c = _mm512_set1_ps(1e-3f * c);
+#define CHAIN_FMA(c) a##c = _mm512_fmadd_ps(x, a##c, w);
+#define CHAIN_DP(c) a##c = _mm512_dpbf16_ps(a##c, xb, wb);
+#define CHAIN_SUM(c) total = _mm512_add_ps(total, a##c);
+        CHAINS16(CHAIN_ZERO)
+        __m512 x = _mm512_set1_ps(0.999f), w = _mm512_set1_ps(1e-4f), total = _mm512_setzero_ps();
+        if (kind == 0)
+            for (int64_t r = 0; r < rounds; r++) {
+                CHAINS16(CHAIN_FMA)
+            }
+#ifdef __AVX512BF16__
+        __m512bh xb = _mm512_cvtne2ps_pbh(x, x), wb = _mm512_cvtne2ps_pbh(w, w);
+        if (kind == 2)
+            for (int64_t r = 0; r < rounds; r++) {
+                CHAINS16(CHAIN_DP)
+            }
+#endif
+        CHAINS16(CHAIN_SUM)
+        sink[t] = _mm512_reduce_add_ps(total);
+#undef CHAIN_ZERO
+#undef CHAIN_FMA
+#undef CHAIN_DP
+#undef CHAIN_SUM
+    }
+}
+
 /* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down

@@ -48,7 +48,9 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             # and where the CPU has AVX-512 BF16: bf16 weights and products (layouts.py's "bf16n")
             "tr_linear_bf16": [_P, _P, _I, _I, _I, _P, _I],
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
-                          _P, _P, _P, _P, _P, _P, _F, _I]}
+                          _P, _P, _P, _P, _P, _P, _F, _I],
+            # the CPU's peak rate of those layers' products (``peak_products``)
+            "tr_peak_products": [_I, _L, _I, _P]}
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}  # by the
 # weights' dtype
 _WHY: list[str] = []
@@ -157,6 +159,35 @@ def stacked():
     """``tr_layers`` (the decoder layers of a pass in one call, on the C linear layers), or None where it is not
     built here or failed its check."""
     return _OPTIONAL_HERE.get("tr_layers") if library() is not None else None
+
+
+# the products a peak measures (``peak_products``): its kind in native.c and products per instruction
+PEAK_KINDS = {"fma": (0, 16), "bf16dot": (2, 32)}
+
+
+def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> float | None:
+    """The CPU's peak rate of one linear-layer instruction on ``threads`` threads (default torch's), in products a
+    second, measured now: ``"fma"`` fp32 fused multiply-adds (the fp32 and fp16-weight layers), ``"bf16dot"`` bf16
+    dot products (the bf16-product layers). The arithmetic alone, on registers: a ceiling no linear layer can pass.
+    None where the library or the CPU lacks the instruction."""
+    fn = _OPTIONAL_HERE.get("tr_peak_products") if library() is not None else None
+    if fn is None or (kind == "bf16dot" and "tr_linear_bf16" not in _OPTIONAL_HERE):
+        return None
+    code, per_instruction = PEAK_KINDS[kind]
+    threads = threads or torch.get_num_threads()
+    sink = torch.zeros(threads)
+    rounds, best = 1 << 12, float("inf")
+    while True:  # rounds for a call of at least 20 ms, then the fastest of `repeats`
+        t0 = time.perf_counter()
+        fn(code, rounds, threads, sink.data_ptr())
+        if time.perf_counter() - t0 >= 0.02:
+            break
+        rounds *= 2
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(code, rounds, threads, sink.data_ptr())
+        best = min(best, time.perf_counter() - t0)
+    return threads * rounds * 16 * per_instruction / best
 
 
 def tag() -> str:
