@@ -462,7 +462,8 @@ def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypat
     # fp16's best: 2 nodes, 1.5 tokens in 7.5 ms (1 in 6.25 ms alone, 2 in 10 ms at 4 nodes)
     assert plan.speed["bf16"] == (81, 4.0 / 6.0) and plan.speed["fp16"] == (2, 1.5 / 7.5)
     said = kernels.describe_format(plan)
-    assert "expected tokens per ms of a whole step, each format at its best tree size; here 81 nodes" in said
+    assert ("expected tokens per ms of a whole step, each format at its best tree size: 81 nodes for this one when "
+            "it was chosen") in said
     assert f"{(4.0 / 6.0) / (1.5 / 7.5):.2f}x faster than fp16 weights" in said
 
 

@@ -123,8 +123,8 @@ def _describe_format(plan: KernelPlan) -> str:
                           f"{x:.2f}x than {name}") for i, (x, name) in enumerate(others))  # runner-up first
         per = "a whole step" if whole else "the linear layers"
         return (f"fast: {_format_name(plan.fmt)}, chosen by measurement for Token Recycling's decoding speed "
-                f"(expected tokens per ms of {per}, each format at its best tree size; here {rows} "
-                f"nodes): {said}{note}")
+                f"(expected tokens per ms of {per}, each format at its best tree size: {rows} nodes for this "
+                f"one when it was chosen): {said}{note}")
     by_format = plan.whole_ms if whole else plan.step_ms
     mine = by_format[plan.fmt]
     rows = [r for r in mine if r <= layouts.FORMAT_MAX_ROWS] or list(mine)
