@@ -358,18 +358,23 @@ def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None
 def limits_line(mode: str, fmt: str, step: dict[int, float], size: int, bandwidth_gbs: float, products: int,
                 peak: float | None, small: str) -> str:
     """``show_limits``'s line from its measurements: the plain step (``step[1]``, ms) against its weights' streaming
-    time (``size`` bytes at ``bandwidth_gbs``), and t(16)/t(1) against its floor here (``step_floor_ms``, with the
-    CPU's ``peak`` products a second of the format's instruction, None where not measured)."""
+    time (``size`` bytes at ``bandwidth_gbs``), and t(16)/t(1) against the ratio of the two passes' floors here
+    (``step_floor_ms``, with the CPU's ``peak`` products a second of the format's instruction, None where not
+    measured: then no floor is claimed)."""
+    from .native import PEAK_KINDS
+
     stream = size / bandwidth_gbs / 1e6
     line = (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
             f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
             f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}")
     if peak:
-        floor = step_floor_ms(16, stream, products, peak)
-        line += (f", where this CPU allows no less than {floor / stream:.2f} (16 rows' {16 * products / 1e9:.2f} G "
-                 f"products at its measured peak of {peak / 1e9:.0f} G a second, {PEAK_OF_FORMAT[fmt]} on "
-                 f"{torch.get_num_threads()} threads, take {16 * products / peak * 1e3:.1f} ms; t(16) is "
-                 f"{step[16] / floor:.2f}x that floor)")
+        rows = 16
+        one, many = step_floor_ms(1, stream, products, peak), step_floor_ms(rows, stream, products, peak)
+        line += (f", against {many / one:.2f} were both passes at their floors here (one row: {one:.1f} ms; {rows} "
+                 f"rows: their {rows * products / 1e9:.2f} G products at this CPU's measured peak of "
+                 f"{peak / 1e9:.0f} G {PEAK_KINDS[PEAK_OF_FORMAT[fmt]][2]} a second on {torch.get_num_threads()} "
+                 f"threads, or the streaming if longer: {many:.1f} ms; t({rows}) is {step[rows] / many:.2f}x its "
+                 f"floor)")
     return f"{line}; small operations: {small}"
 
 

@@ -434,6 +434,7 @@ static void NAME##_##R(const float *x, const WEIGHT *tile, int in, int out, floa
         case 10: NAME##_10(__VA_ARGS__); break;                                                                    \
         case 11: NAME##_11(__VA_ARGS__); break;                                                                    \
         case 12: NAME##_12(__VA_ARGS__); break;                                                                    \
+        default: abort(); /* TILE_ROWS gives 1 to 12 rows */                                                       \
     }
 /* A call's rows against one tile, as calls FN(rows, x, tile, r0, ...) of a kernel for that many rows from row r0:
  * 12 at a time, then the last 1 to 11 in one call, so each row count up to 12 reads a tile's weights once (how many
@@ -531,13 +532,19 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
 
 /* The CPU's peak rate of the linear layers' products, for calibrate.py's limits: each of `threads` threads runs
  * `rounds` rounds of 16 independent chains of one multiply instruction on registers (no memory: the arithmetic
- * alone), kind 0 fp32 fused multiply-adds (16 products each; the fp32 and fp16-weight layers' instruction), kind 2
- * bf16 dot products (32 each; tr_linear_bf16's, where the CPU has them; otherwise the call does nothing). 16 chains:
- * more than the instructions' latency times their throughput (on an AMD EPYC, 8 chains already ran at the peak),
- * few enough to stay in registers (24 in an array spilled to memory and ran at half the rate). sink[thread]: a sum
- * that keeps the work from being optimised away. */
+ * alone). kind (the codes of tr_layers' f16): 0 fp32 fused multiply-adds (16 products each; the fp32 and fp16-weight
+ * layers' instruction), 2 bf16 dot products (32 each; tr_linear_bf16's). 16 chains: more than the instructions'
+ * latency times their throughput (on an AMD EPYC, 8 chains already ran at the peak), few enough to stay in registers
+ * (24 in an array spilled to memory and ran at half the rate). sink[thread]: a sum that keeps the work from being
+ * optimised away. Returns the threads that ran side by side (1 where built without OpenMP: the threads' rounds then
+ * ran one after another), or 0 for a kind not built here (nothing run). */
 #define CHAINS16(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
-void tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
+int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
+#ifdef __AVX512BF16__
+    if (kind != 0 && kind != 2) return 0;
+#else
+    if (kind != 0) return 0;
+#endif
     _Pragma("omp parallel for schedule(static, 1) num_threads(threads)")
     for (int t = 0; t < threads; t++) {
 #define CHAIN_ZERO(c) __m512 a##c = _mm512_set1_ps(1e-3f * c);
@@ -564,6 +571,11 @@ void tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
 #undef CHAIN_DP
 #undef CHAIN_SUM
     }
+#ifdef _OPENMP
+    return threads;
+#else
+    return 1;
+#endif
 }
 
 /* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from

@@ -7,7 +7,8 @@ arithmetic. ``native.c`` does each group of them in one call on raw fp32 buffers
 compiler and the CPU; where there is no C compiler, or the build or its self-check fails, ``library()`` is None and
 the lean forward keeps its torch operations (``status()`` says why). Where the CPU has AVX-512, it also holds linear
 layers (fp32 and fp16 weights, ``linear``; bf16 weights and products where it also has AVX-512 BF16): candidates the
-kernel chooser measures beside torch's (layouts.py's "native", "fp16n" and "bf16n").
+kernel chooser measures beside torch's (layouts.py's "native", "fp16n" and "bf16n"), and a measurement of the CPU's
+peak rate of their multiply instructions (``peak_products``, for ``calibrate --show``'s limits).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             "tr_linear_bf16": [_P, _P, _I, _I, _I, _P, _I],
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
                           _P, _P, _P, _P, _P, _P, _F, _I],
-            # the CPU's peak rate of those layers' products (``peak_products``)
+            # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
             "tr_peak_products": [_I, _L, _I, _P]}
+RETURNS = {"tr_peak_products": ctypes.c_int}  # the functions that return something (the others return nothing)
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}  # by the
 # weights' dtype
 _WHY: list[str] = []
@@ -140,7 +142,7 @@ def library():
     for name, args in OPTIONAL.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, None
+            fn.argtypes, fn.restype = args, RETURNS.get(name)
             if _optional_check(name, fn):  # one that fails its check is left out alone
                 _OPTIONAL_HERE[name] = fn
     return lib
@@ -161,25 +163,28 @@ def stacked():
     return _OPTIONAL_HERE.get("tr_layers") if library() is not None else None
 
 
-# the products a peak measures (``peak_products``): its kind in native.c and products per instruction
-PEAK_KINDS = {"fma": (0, 16), "bf16dot": (2, 32)}
+# the products a peak measures (``peak_products``): its kind in native.c, products per instruction, and its name
+PEAK_KINDS = {"fma": (0, 16, "fp32 multiply-adds"), "bf16dot": (2, 32, "bf16 dot products")}
 
 
 def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> float | None:
-    """The CPU's peak rate of one linear-layer instruction on ``threads`` threads (default torch's), in products a
-    second, measured now: ``"fma"`` fp32 fused multiply-adds (the fp32 and fp16-weight layers), ``"bf16dot"`` bf16
-    dot products (the bf16-product layers). The arithmetic alone, on registers: a ceiling no linear layer can pass.
-    None where the library or the CPU lacks the instruction."""
+    """The CPU's peak rate of one linear-layer instruction on ``threads`` threads side by side (default torch's), in
+    products a second, measured now: ``"fma"`` fp32 fused multiply-adds (the fp32 and fp16-weight layers),
+    ``"bf16dot"`` bf16 dot products (the bf16-product layers). The arithmetic alone, on registers: a ceiling no linear
+    layer can pass. None where it is not measured here: no library, a CPU without AVX-512 (the C linear layers'
+    condition) or without the instruction, or a library built without OpenMP (its threads would not run together)."""
     fn = _OPTIONAL_HERE.get("tr_peak_products") if library() is not None else None
-    if fn is None or (kind == "bf16dot" and "tr_linear_bf16" not in _OPTIONAL_HERE):
+    if fn is None:
         return None
-    code, per_instruction = PEAK_KINDS[kind]
+    code, per_instruction, _ = PEAK_KINDS[kind]
     threads = threads or torch.get_num_threads()
     sink = torch.zeros(threads)
     rounds, best = 1 << 12, float("inf")
     while True:  # rounds for a call of at least 20 ms, then the fastest of `repeats`
         t0 = time.perf_counter()
-        fn(code, rounds, threads, sink.data_ptr())
+        ran = fn(code, rounds, threads, sink.data_ptr())
+        if ran != threads:  # the kind is not built here (0), or the threads ran one after another
+            return None
         if time.perf_counter() - t0 >= 0.02:
             break
         rounds *= 2
@@ -195,7 +200,8 @@ def tag() -> str:
     digest and the linear layers built here (a machine without AVX-512 has none), or "torch"."""
     if library() is None:
         return "torch"
-    return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE))
+    return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE)
+                                 if n not in RETURNS)  # the peak's measurement changes no timing
 
 
 def status() -> str:
