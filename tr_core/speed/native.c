@@ -475,7 +475,6 @@ LINEAR(tr_linear_f32, float, LOAD_F32)
  * 2p and 2p + 1 side by side (zeros past out and past in). Each output y[r][o] is one sum whatever the call: pair 0's
  * two products into 0, then pair p's added for p in order, one dot-product instruction a pair; rows go against a
  * tile as in tr_linear_f16 (TILE_ROWS), so a row's bits do not depend on how many rows the call has. */
-#define ROW_ZERO_P(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
 #define ROW_DP(r)                                                                                                  \
     {                                                                                                              \
         __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[(int64_t)(r) * pairs + p]);                               \
@@ -484,7 +483,7 @@ LINEAR(tr_linear_f32, float, LOAD_F32)
     }
 #define LINEAR_PAIRS(NAME, R, EACH)                                                                                \
 static void NAME##_##R(const uint32_t *x, const uint16_t *tile, int pairs, int out, float *y, int o0) {            \
-    EACH(ROW_ZERO_P)                                                                                               \
+    EACH(ROW_ZERO)                                                                                                 \
     for (int p = 0; p < pairs; p++) {                                                                              \
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + (int64_t)p * 2 * TILE),                                  \
                  w1 = (__m512bh)_mm512_loadu_si512(tile + (int64_t)p * 2 * TILE + TILE);                           \
@@ -582,8 +581,7 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
  * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms'
- * epsilons; kv (layers, 3): its key and value buffers
- * (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
+ * epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
  * the embedded rows, the residual stream updated in place; x (n, d): the final norm's output. The buffers: qkv
  * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
  * windows as tr_attend's. */

@@ -53,8 +53,9 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
             "tr_peak_products": [_I, _L, _I, _P]}
 RETURNS = {"tr_peak_products": ctypes.c_int}  # the functions that return something (the others return nothing)
-LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}  # by the
-# weights' dtype
+UNTIMED = {"tr_peak_products"}  # optional functions no step calls: left out of the timing caches' tag (``tag``)
+# by the weights' dtype
+LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
 _SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).encode()).hexdigest()[:8]
@@ -165,6 +166,7 @@ def stacked():
 
 # the products a peak measures (``peak_products``): its kind in native.c, products per instruction, and its name
 PEAK_KINDS = {"fma": (0, 16, "fp32 multiply-adds"), "bf16dot": (2, 32, "bf16 dot products")}
+PEAK_CHAINS = 16  # the instructions a thread runs a round in tr_peak_products (native.c's CHAINS16)
 
 
 def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> float | None:
@@ -192,7 +194,7 @@ def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> fl
         t0 = time.perf_counter()
         fn(code, rounds, threads, sink.data_ptr())
         best = min(best, time.perf_counter() - t0)
-    return threads * rounds * 16 * per_instruction / best
+    return threads * rounds * PEAK_CHAINS * per_instruction / best
 
 
 def tag() -> str:
@@ -201,7 +203,7 @@ def tag() -> str:
     if library() is None:
         return "torch"
     return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE)
-                                 if n not in RETURNS)  # the peak's measurement changes no timing
+                                 if n not in UNTIMED)
 
 
 def status() -> str:
