@@ -390,18 +390,18 @@ void tr_attend(const float *queries, int padded, const float *keys, const float 
         }                                                                                                          \
     }
 /* Kernels of FETCH_FROM_ROWS rows or more also ask for the weights FETCH_AHEAD bytes ahead of the ones they load
- * (FETCH: the lines of `bytes` bytes at `at`, into L1; a prefetch leaves the core's window free, where a demand load
- * holds a place in it until its line comes). Such a kernel runs 18-24 multiply instructions per 128 bytes of fp32 or
+ * (FETCH: the lines of `bytes` bytes at `at`, into L2; a prefetch leaves the core's window free, where a demand load
+ * holds a place in it until its line comes). Such a kernel runs 10-24 multiply instructions per 128 bytes of fp32 or
  * bf16 weights, so its window holds too few loads to keep the memory busy: without the requests, reading and
  * multiplying add up instead of overlapping. Measured on a 2-vCPU AMD EPYC (docs/speed.md), a step's linear layers
- * side by side: bf16 products at 12-24 rows 0.87-0.88x, 81 rows 0.95x; fp32 at 12-24 rows 0.82-0.93x; at 1-8 rows
- * nothing gained, and requests in every kernel made 4 rows 1.07-1.15x. They change when the weights are read, never
- * how a sum is computed: the same bits. */
-#define FETCH_FROM_ROWS 9
-#define FETCH_AHEAD 4096
+ * side by side: bf16 products at 8-24 rows 0.72-0.87x (8 rows then cost about what 1 row does), 81 rows 0.91x; fp32
+ * at 12-24 rows 0.77-0.81x; requests in the kernels of 2-4 rows made them 1.03-1.09x; into L1, or 4 kB ahead, they
+ * gained less. They change when the weights are read, never how a sum is computed: the same bits. */
+#define FETCH_FROM_ROWS 5
+#define FETCH_AHEAD 16384
 #define FETCH(R, at, bytes)                                                                                        \
     if ((R) >= FETCH_FROM_ROWS)                                                                                    \
-        for (int f_ = 0; f_ < (int)(bytes); f_ += 64) _mm_prefetch((const char *)(at) + FETCH_AHEAD + f_, _MM_HINT_T0);
+        for (int f_ = 0; f_ < (int)(bytes); f_ += 64) _mm_prefetch((const char *)(at) + FETCH_AHEAD + f_, _MM_HINT_T1);
 /* Input i's 16 weights at p, as fp32: from fp16, or as they are. */
 #define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define LOAD_F32(p) _mm512_loadu_ps(p)
