@@ -221,11 +221,23 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     race_tokens = page.locator("#race-max-new input[type=number]")
     race_tokens.fill(str(RACE_TOKENS))
     race_tokens.press("Enter")
+    # every text the status line shows, kept as it changes: the race's verdict comes first with its last round, then
+    # the replay (a few tenths of a second for 16 tokens, which a wait for its text can miss between two polls), then
+    # the verdict again
+    page.evaluate("""() => { window.raceStatuses = [];
+        new MutationObserver(() => { const t = document.querySelector('#race-status')?.textContent;
+            if (t && t !== window.raceStatuses.at(-1)) window.raceStatuses.push(t); })
+            .observe(document.body, {childList: true, subtree: true, characterData: true}); }""")
     page.click("#race-run")
-    page.wait_for_selector("#race-status :text('Replaying')", timeout=300_000)
-    page.screenshot(path=shots / "05_race_replay.png", full_page=True)
-    wait_for(page, "() => { const t = document.querySelector('#race-status').textContent; "
-                   "return t.includes('plain decoding (median of 3 rounds') && !t.includes('Replaying'); }", 120)
+    try:
+        wait_for(page, """() => { const seen = window.raceStatuses, now = seen.at(-1) || '';
+            const replayed = seen.findIndex(t => t.includes("Replaying each method's median round"));
+            return replayed >= 0 && seen.length > replayed + 1 && now.includes('plain decoding (median of 3 rounds')
+                   && !now.includes('Replaying'); }""", 300)
+    except Exception as exc:  # playwright's TimeoutError: say what the status line went through
+        seen = page.evaluate("() => window.raceStatuses")
+        raise AssertionError(f"no replay then verdict in 300 s; the status line showed: {seen[-6:]}") from exc
+    page.screenshot(path=shots / "05_race_done.png", full_page=True)
     print("verdict: " + page.locator("#race-status").inner_text())
     rows = page.locator("#race-table tr[data-method]")
     raced = ["plain", "pld", "tr", "tr-context"]  # the default: plain, the baseline, the paper, the best beyond it
