@@ -323,7 +323,11 @@ def test_the_tabs_are_in_sight_on_a_phone(browser, served, shots):  # noqa: F811
     tokens_box.press("Enter")
     page.click("#run")
     page.wait_for_selector("#answer .tr-step", timeout=60_000)
-    assert answer_in_view(page), "Run brings the streaming answer into view on a phone"
+    if not answer_in_view(page):
+        page.screenshot(path=shots / "11_phone_answer_not_in_view.png")
+        where = page.evaluate("() => [document.querySelector('#answer').getBoundingClientRect().top, window.scrollY]")
+        raise AssertionError(f"Run brings the streaming answer into view on a phone: its top at {where[0]:.0f} px, "
+                             f"scrolled {where[1]:.0f} px ({shots})")
     wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120)
     page.wait_for_timeout(1500)
     assert page.locator(".modebar-container").evaluate_all("els => els.filter(e => e.offsetParent).length") == 0
