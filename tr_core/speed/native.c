@@ -396,7 +396,8 @@ void tr_attend(const float *queries, int padded, const float *keys, const float 
  * multiplying add up instead of overlapping. Measured on a 2-vCPU AMD EPYC (docs/speed.md), a step's linear layers
  * side by side: bf16 products at 8-24 rows 0.72-0.87x (8 rows then cost about what 1 row does), 81 rows 0.91x; fp32
  * at 12-24 rows 0.77-0.81x; requests in the kernels of 2-4 rows made them 1.03-1.09x; into L1, or 4 kB ahead, they
- * gained less. They change when the weights are read, never how a sum is computed: the same bits. */
+ * gained less. They change when the weights are read, never how a sum is computed: the same bits (and a request past
+ * the weights' end does nothing: a prefetch never faults). Constants measured on that CPU, not chosen per machine. */
 #define FETCH_FROM_ROWS 5
 #define FETCH_AHEAD 16384
 #define FETCH(R, at, bytes)                                                                                        \
