@@ -256,15 +256,19 @@ def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(
     product = inputs.double() @ weight.to(dtype).double().t()
     torch.testing.assert_close(full.double(), product, rtol=1e-5, atol=1e-5 * x.abs().max().item())
     threads = torch.get_num_threads()
+    set_fetch = native._OPTIONAL_HERE["tr_fetch_from_rows"]
     try:
-        for count in (1, threads):
-            torch.set_num_threads(count)
-            for rows in (*range(1, 26), 33):  # each kernel (1-12 rows) alone and after 12
-                for start in (0, 81 - rows):
-                    assert torch.equal(layout.run(x[start:start + rows].contiguous(), packed),
-                                       full[start:start + rows]), (rows, start, count)
+        for fetch in (2, native.NEVER):  # the kernels prefetching their weights from 2 rows, or never: the same bits
+            set_fetch(fetch)
+            for count in (1, threads):
+                torch.set_num_threads(count)
+                for rows in (*range(1, 26), 33):  # each kernel (1-12 rows) alone and after 12
+                    for start in (0, 81 - rows):
+                        assert torch.equal(layout.run(x[start:start + rows].contiguous(), packed),
+                                           full[start:start + rows]), (rows, start, count, fetch)
     finally:
         torch.set_num_threads(threads)
+        set_fetch(native._FETCH["rows"])
     with pytest.raises(ValueError):
         layout.run(x.double(), packed)
     with pytest.raises(ValueError):
@@ -351,3 +355,23 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
         slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
                                    inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})
         assert not slower.stacked and slower.layouts[next(iter(counts))][1] == other
+
+
+def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays():
+    """``choose_fetch`` on stubbed timings: from 5 rows where a 6-row call gains, from 9 where only a 12-row call
+    does, never where the gain stays inside FETCH_GAIN; the pairs alternate which setting runs first."""
+    calls = []
+
+    def stub(gain_at: dict):
+        def timed(setting, rows):
+            calls.append(setting)
+            return 10.0 * (gain_at.get(rows, 1.0) if setting != native.NEVER else 1.0)
+        return timed
+
+    assert native.choose_fetch(stub({6: 0.8, 12: 0.7}))[0] == 5
+    assert native.choose_fetch(stub({6: 1.05, 12: 0.9})) == (9, "6 rows 1.05x, 12 rows 0.90x")
+    assert native.choose_fetch(stub({6: 0.98, 12: 0.98}))[0] == native.NEVER  # inside the noise: not taken
+    assert calls[:4] == [5, native.NEVER, native.NEVER, 5]
+    if native.library() is not None and "tr_fetch_from_rows" in native._OPTIONAL_HERE:
+        # chosen on this machine when the library loaded, said in the kernels' line and keyed into the timing caches
+        assert native.tag().endswith(f"p{native._FETCH['rows']}") and "measured here" in native.fetch_note()

@@ -360,7 +360,9 @@ class LeanLlama:
             return "torch's operations (the native calls take fp32 activations and SiLU)"
         if native.library() is None:
             return f"torch's operations (native calls {native.status()})"
-        return "native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU)"
+        fetch = native.fetch_note()
+        return ("native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU)"
+                + (f"; {fetch}" if fetch else ""))
 
     def _native(self, hidden: torch.Tensor):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""

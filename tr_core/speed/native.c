@@ -389,19 +389,20 @@ void tr_attend(const float *queries, int padded, const float *keys, const float 
             for (int j = 0; o0 + j < out; j++) yr[j] = part[j];                                                    \
         }                                                                                                          \
     }
-/* Kernels of FETCH_FROM_ROWS rows or more also ask for the weights FETCH_AHEAD bytes ahead of the ones they load
+/* Kernels of fetch_from_rows rows or more also ask for the weights FETCH_AHEAD bytes ahead of the ones they load
  * (FETCH: the lines of `bytes` bytes at `at`, into L2; a prefetch leaves the core's window free, where a demand load
  * holds a place in it until its line comes). Such a kernel runs 10-24 multiply instructions per 128 bytes of fp32 or
- * bf16 weights, so its window holds too few loads to keep the memory busy: without the requests, reading and
- * multiplying add up instead of overlapping. Measured on a 2-vCPU AMD EPYC (docs/speed.md), a step's linear layers
- * side by side: bf16 products at 8-24 rows 0.72-0.87x (8 rows then cost about what 1 row does), 81 rows 0.91x; fp32
- * at 12-24 rows 0.77-0.81x; requests in the kernels of 2-4 rows made them 1.03-1.09x; into L1, or 4 kB ahead, they
- * gained less. They change when the weights are read, never how a sum is computed: the same bits (and a request past
- * the weights' end does nothing: a prefetch never faults). Constants measured on that CPU, not chosen per machine. */
-#define FETCH_FROM_ROWS 5
+ * bf16 weights, so its window may hold too few loads to keep the memory busy: then reading and multiplying add up
+ * instead of overlapping. Whether that pays depends on the CPU: native.py measures it where the library runs and
+ * sets the row count (tr_fetch_from_rows; until then, and where it does not pay, 13: never). On a 2-vCPU AMD EPYC
+ * (docs/speed.md), from 5 rows: a step's linear layers at 8-24 rows 0.72-0.88x side by side, 81 rows 0.91-0.95x;
+ * from 2 rows, 2-4 rows 1.03-1.09x; into L1, or 4 kB ahead, less. They change when the weights are read, never how a
+ * sum is computed: the same bits (and a request past the weights' end does nothing: a prefetch never faults). */
 #define FETCH_AHEAD 16384
+static int fetch_from_rows = 13;
+void tr_fetch_from_rows(int rows) { fetch_from_rows = rows; }
 #define FETCH(R, at, bytes)                                                                                        \
-    if ((R) >= FETCH_FROM_ROWS)                                                                                    \
+    if ((R) >= fetch_from_rows)                                                                                    \
         for (int f_ = 0; f_ < (int)(bytes); f_ += 64) _mm_prefetch((const char *)(at) + FETCH_AHEAD + f_, _MM_HINT_T1);
 /* Input i's 16 weights at p, as fp32: from fp16, or as they are. */
 #define LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
@@ -597,8 +598,9 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
  * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms'
- * epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position past on, and their floats per kv head. hidden (n, d):
- * the embedded rows, the residual stream updated in place; x (n, d): the final norm's output. The buffers: qkv
+ * epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position
+ * past on, and their floats per kv head. hidden (n, d): the embedded rows, the residual stream updated in place; x
+ * (n, d): the final norm's output. The buffers: qkv
  * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
  * windows as tr_attend's. */
 void tr_layers(int layers, const int64_t *weights, const float *eps, const int64_t *kv, int64_t past, int f16, int d,

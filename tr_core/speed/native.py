@@ -51,9 +51,12 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
                           _P, _P, _P, _P, _P, _P, _F, _I],
             # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
-            "tr_peak_products": [_I, _L, _I, _P]}
+            "tr_peak_products": [_I, _L, _I, _P],
+            # from how many rows the linear layers prefetch their weights (``fetch_from_rows``: chosen here)
+            "tr_fetch_from_rows": [_I]}
 RETURNS = {"tr_peak_products": ctypes.c_int}  # the functions that return something (the others return nothing)
-UNTIMED = {"tr_peak_products"}  # optional functions no step calls: left out of the timing caches' tag (``tag``)
+# optional functions no step calls: left out of the timing caches' tag (``tag``; the prefetch's choice is in it)
+UNTIMED = {"tr_peak_products", "tr_fetch_from_rows"}
 # by the weights' dtype
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}
 _WHY: list[str] = []
@@ -103,6 +106,7 @@ def _build(compiler: list[str]) -> Path:
     for old in target.parent.glob("native-*.so"):  # builds of other sources or compilers, untouched for a week
         if old != target and time.time() - old.stat().st_mtime > 7 * 86400:
             old.unlink(missing_ok=True)
+            old.with_suffix(".fetch").unlink(missing_ok=True)  # its prefetch choice (``_fetch_choice``)
     return target
 
 
@@ -146,6 +150,9 @@ def library():
             fn.argtypes, fn.restype = args, RETURNS.get(name)
             if _optional_check(name, fn):  # one that fails its check is left out alone
                 _OPTIONAL_HERE[name] = fn
+    if "tr_fetch_from_rows" in _OPTIONAL_HERE:
+        _FETCH.update(_fetch_choice(Path(lib._name)))
+        _OPTIONAL_HERE["tr_fetch_from_rows"](_FETCH["rows"])
     return lib
 
 
@@ -197,13 +204,94 @@ def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> fl
     return threads * rounds * PEAK_CHAINS * per_instruction / best
 
 
+# Where the linear kernels start to prefetch their weights (native.c's FETCH): measured once per built library and
+# kept beside it. NEVER: no kernel does; FETCH_ROWS: the row counts tried and the call each is timed with.
+NEVER = 13
+FETCH_ROWS = ((5, 6), (9, 12))  # from 5 rows (timed on 6 rows), from 9 (timed on 12)
+FETCH_GAIN = 0.97  # a prefetch is kept where it takes at most this share of the time without
+_FETCH: dict = {"rows": NEVER, "why": "not measured"}
+
+
+def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
+    """From how many rows the linear kernels should prefetch: the first of ``FETCH_ROWS`` whose call ``timed(setting,
+    rows)`` (ms, a call of ``rows`` rows with the kernels prefetching from ``setting`` rows) takes at most
+    ``FETCH_GAIN`` of its time without (``NEVER``), in ``pairs`` pairs alternating which goes first (the median
+    ratio); else NEVER. Returns it and the measured ratios, in words.
+
+    >>> choose_fetch(lambda setting, rows: 8.0 if setting == NEVER else 7.0, pairs=3)
+    (5, '6 rows 0.88x, 12 rows 0.88x')
+    >>> choose_fetch(lambda setting, rows: 8.0, pairs=3)
+    (13, '6 rows 1.00x, 12 rows 1.00x')
+    """
+    import statistics
+
+    ratios = {}
+    for setting, rows in FETCH_ROWS:
+        pair = []
+        for i in range(pairs):
+            if i % 2:
+                off, on = timed(NEVER, rows), timed(setting, rows)
+            else:
+                on, off = timed(setting, rows), timed(NEVER, rows)
+            pair.append(on / off)
+        ratios[setting, rows] = statistics.median(pair)
+    said = ", ".join(f"{rows} rows {ratio:.2f}x" for (_, rows), ratio in ratios.items())
+    return next((setting for (setting, _), ratio in ratios.items() if ratio <= FETCH_GAIN), NEVER), said
+
+
+def _fetch_choice(library_path: Path) -> dict:
+    """``choose_fetch`` on this machine, timed on an fp32 linear layer of 64 MB (out of the caches, like a model's
+    weights), kept in a file beside the built library (so measured once per library and CPU)."""
+    kept = library_path.with_suffix(".fetch")
+    try:
+        rows, why = kept.read_text().split("\n", 1)
+        return {"rows": int(rows), "why": why}
+    except (OSError, ValueError):
+        pass
+    set_rows, linear = _OPTIONAL_HERE["tr_fetch_from_rows"], _OPTIONAL_HERE.get("tr_linear_f32")
+    if linear is None:
+        return {"rows": NEVER, "why": "not measured: no fp32 linear layer here"}
+    from .layouts import weight_tiles
+    inputs, outputs = 2048, 8192
+    tiles = weight_tiles(torch.full((outputs, inputs), 0.5), torch.float32).tiles  # written: real pages
+    x, y = torch.randn(12, inputs), torch.empty(12, outputs)
+    threads = torch.get_num_threads()
+
+    def timed(setting: int, rows: int) -> float:
+        set_rows(setting)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            linear(x.data_ptr(), tiles.data_ptr(), rows, inputs, outputs, y.data_ptr(), threads)
+        return (time.perf_counter() - t0) * 1e3
+
+    timed(NEVER, 12)  # the first call pays for the threads' start
+    rows, said = choose_fetch(timed)
+    set_rows(rows)
+    why = f"measured here, prefetching against not, a {tiles.nbytes >> 20} MB layer: {said}"
+    try:
+        kept.write_text(f"{rows}\n{why}")
+    except OSError:
+        pass
+    return {"rows": rows, "why": why}
+
+
+def fetch_note() -> str:
+    """What the linear kernels prefetch here and why (``choose_fetch``), or "" without them."""
+    if library() is None or "tr_fetch_from_rows" not in _OPTIONAL_HERE:
+        return ""
+    rows = _FETCH["rows"]
+    said = f"from {rows} rows" if rows < NEVER else "never"
+    return f"the linear kernels prefetch their weights {said} ({_FETCH['why']})"
+
+
 def tag() -> str:
     """What the forward's small operations and the C linear layers run on, for cache keys of timings: the C source's
     digest and the linear layers built here (a machine without AVX-512 has none), or "torch"."""
     if library() is None:
         return "torch"
+    fetch = f"p{_FETCH['rows']}" if "tr_fetch_from_rows" in _OPTIONAL_HERE else ""
     return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE)
-                                 if n not in UNTIMED)
+                                 if n not in UNTIMED) + fetch
 
 
 def status() -> str:
