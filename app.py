@@ -70,6 +70,7 @@ from ui.page import (  # noqa: E402
     CSS,
     INTRO,
     MATRIX_PLACEHOLDER,
+    NARROW_PX,
     PROJECTION_PLACEHOLDER,
     RACE_INTRO,
     RACE_PLACEHOLDER,
@@ -565,13 +566,16 @@ def run_inputs(tab: dict, session: gr.State, *own: str) -> dict:
 
 
 # On Run, the answer comes into view (below the settings on a laptop's screen): the counters at the top where the
-# counters and the start of the answer fit the window, else the answer itself
-# (run in the browser before the request: it hands the inputs on unchanged)
+# counters and the start of the answer fit the window, else the answer itself. On a narrow screen always the answer:
+# there the counters stack and the status line under them wraps to a dozen lines once the run has finished, which
+# pushed an answer scrolled into view with them below the window (run in the browser before the request: it hands
+# the inputs on unchanged)
 SHOW_ANSWER = """(...inputs) => { const c = document.getElementById('counters'), a = document.getElementById('answer');
   if (c && a) {
-    const fits = a.getBoundingClientRect().top - c.getBoundingClientRect().top + 160 < window.innerHeight;
+    const fits = window.innerWidth >= %d
+                 && a.getBoundingClientRect().top - c.getBoundingClientRect().top + 160 < window.innerHeight;
     (fits ? c : a).scrollIntoView({behavior: 'instant', block: 'start'}); }
-  return inputs; }"""
+  return inputs; }""" % NARROW_PX
 
 
 def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer) -> None:
