@@ -141,6 +141,7 @@ APP_CSS = """
 .tr-baseline { font-size: 13px; margin-top: 6px; }
 .tr-lanes { grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)) !important; }
 .tr-table-wrap { overflow-x: auto; }
+#answer { scroll-margin-top: 8px; }  /* Run scrolls it into view (SHOW_ANSWER): its border not at the window's edge */
 @media (max-width: 640px) {
   .js-plotly-plot .modebar-container { display: none !important; }  /* on a phone it covered the figures' titles */
   #intro h1 { font-size: 22px; margin-bottom: 4px; }
