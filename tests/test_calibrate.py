@@ -113,17 +113,56 @@ def test_the_limits_line_sets_the_16_row_pass_against_the_least_this_cpu_allows(
     """calibrate --show's line: the plain step against streaming, and t(16)/t(1) against the ratio of the floors that
     the streaming and the CPU's measured peak set (stubbed numbers); without a peak, no floor is claimed."""
     from tr_core.speed.calibrate import limits_line, step_floor_ms
-    step = {1: 10.0, 16: 25.0}
+    rounds = [(20.0, 10.0, 25.0)] * 3  # (GB/s, t(1), t(16)): three alike rounds
     # 100 MB at 20 GB/s: 5 ms of streaming; 16 rows of 50 M products at 100 G/s: 8 ms
-    line = limits_line("fast", "bf16p", step, 100_000_000, 20.0, 50_000_000, 1e11, "native")
-    assert "stream in 5.0 ms" in line and "2.0x its streaming time" in line and "t(16)/t(1) = 2.50" in line
+    line = limits_line("fast", "bf16p", rounds, 100_000_000, 50_000_000, 1e11, "native")
+    assert "stream in 5.0 ms at 20.0 GB/s (read in the same rounds: 20.0-20.0)" in line
+    assert "2.0x its streaming time (2.0-2.0 round by round)" in line and "t(16)/t(1) = 2.50 (t(16) 25.0 ms)" in line
     assert "against 1.60 were both passes at their floors here (one row: 5.0 ms" in line
     assert "peak of 100 G bf16 dot products a second" in line
     assert "8.0 ms; t(16) is 3.12x its floor" in line  # 25 / 8
     assert step_floor_ms(16, 5.0, 50_000_000, 1e11) == pytest.approx(8.0)
     assert step_floor_ms(2, 5.0, 50_000_000, 1e11) == 5.0  # two rows' products hide behind the streaming
-    bare = limits_line("exact", "fp32", step, 100_000_000, 20.0, 50_000_000, None, "torch")
+    bare = limits_line("exact", "fp32", rounds, 100_000_000, 50_000_000, None, "torch")
     assert "floor" not in bare and bare.endswith("small operations: torch")
+
+
+def test_the_limits_line_sets_each_step_against_the_bandwidth_of_its_own_round():
+    """A round whose memory ran twice as fast (and its steps with it) does not make the others' steps look faster
+    than their streaming: each round's step is divided by its own round's streaming time, then the median taken."""
+    from tr_core.speed.calibrate import limits_line
+    rounds = [(20.0, 10.0, 25.0), (40.0, 5.0, 12.5), (20.0, 10.0, 25.0), (40.0, 5.0, 12.5), (40.0, 5.0, 12.5)]
+    line = limits_line("fast", "bf16p", rounds, 100_000_000, 50_000_000, None, "native")
+    # streams 5.0 and 2.5 ms: every round's step at 2.0x; the medians alone (5.0 ms against 2.5) would say 2.0 too,
+    # but one bandwidth for all (40 GB/s, the last read) would put the 10 ms rounds at 4.0x
+    assert "plain step 5.0 ms" in line and "stream in 2.5 ms at 40.0 GB/s (read in the same rounds: 20.0-40.0)" in line
+    assert "2.0x its streaming time (2.0-2.0 round by round)" in line
+    uneven = [(20.0, 10.0, 25.0), (40.0, 10.0, 25.0), (30.0, 10.0, 25.0)]
+    assert "(2.0-4.0 round by round)" in limits_line("fast", "bf16p", uneven, 100_000_000, 1, None, "native")
+
+
+def test_paired_limits_reads_the_memory_then_times_the_steps_round_by_round(monkeypatch):
+    from tr_core.speed import calibrate
+    log = []
+
+    class Bench:
+        def __init__(self, model, sizes, *_):
+            assert tuple(sizes) == (1, 16)
+
+        def time_round(self, block):
+            log.append("steps")
+            return {1: [4.0] * block, 16: [9.0] * block}
+
+    monkeypatch.setattr(calibrate, "StepBench", Bench)
+    speeds = iter([30.0, 31.0, 32.0])
+
+    def bandwidth():
+        log.append("read")
+        return next(speeds)
+
+    rounds = calibrate.paired_limits(object(), rounds=3, bandwidth=bandwidth)
+    assert log == ["steps", "read", "steps", "read", "steps", "read", "steps"]  # a warm-up round, uncounted
+    assert rounds == [(30.0, 4.0, 9.0), (31.0, 4.0, 9.0), (32.0, 4.0, 9.0)]
 
 
 def test_the_peak_is_measured_where_the_library_has_the_instruction(monkeypatch):

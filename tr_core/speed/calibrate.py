@@ -355,33 +355,63 @@ def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None
     return max(stream_ms, rows * products / peak * 1e3) if peak else stream_ms
 
 
-def limits_line(mode: str, fmt: str, step: dict[int, float], size: int, bandwidth_gbs: float, products: int,
+LIMIT_ROUNDS = 7  # rounds of ``paired_limits``: a read of the memory, then a block of 1-row and 16-row steps
+
+
+def paired_limits(model: PreTrainedModel, rounds: int = LIMIT_ROUNDS, block: int = 2,
+                  bandwidth=None) -> list[tuple[float, float, float]]:
+    """Per round: the memory's read bandwidth (GB/s, ``bandwidth()``, default ``read_bandwidth_gbs`` over 1 GiB,
+    the best of 3), then t(1) and t(16) of ``model`` (ms, the median of a block of ``block`` steps each,
+    ``StepBench``), one right after the other. The shared machine's bandwidth moves within a minute (on the 2-vCPU
+    AMD EPYC, 27 then 58 GB/s a few seconds apart), so a step is set against the bandwidth of its own round, not one
+    read before all of them (which once put the step at 0.7x its streaming time)."""
+    bandwidth = bandwidth or (lambda: read_bandwidth_gbs(repeats=2))
+    bench = StepBench(model, (1, 16))
+    bench.time_round(block)  # uncounted: the first steps pay for the threads' start and the cold caches
+    out = []
+    for _ in range(rounds):
+        gbs = bandwidth()
+        got = bench.time_round(block)
+        out.append((gbs, statistics.median(got[1]), statistics.median(got[16])))
+    return out
+
+
+def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]], size: int, products: int,
                 peak: float | None, small: str) -> str:
-    """``show_limits``'s line from its measurements: the plain step (``step[1]``, ms) against its weights' streaming
-    time (``size`` bytes at ``bandwidth_gbs``), and t(16)/t(1) against the ratio of the two passes' floors here
-    (``step_floor_ms``, with the CPU's ``peak`` products a second of the format's instruction, None where not
-    measured: then no floor is claimed)."""
+    """``show_limits``'s line from its measurements, ``paired_limits``' rounds (bandwidth GB/s, t(1) ms, t(16) ms):
+    the plain step against its weights' streaming time (``size`` bytes at its round's bandwidth), and t(16)/t(1)
+    against the ratio of the two passes' floors here (``step_floor_ms``, with the CPU's ``peak`` products a second of
+    the format's instruction, None where not measured: then no floor is claimed). Each ratio is the median of the
+    rounds' own; the times and the bandwidth printed are the rounds' medians."""
     from .native import PEAK_KINDS
 
-    stream = size / bandwidth_gbs / 1e6
-    line = (f"{mode} ({fmt}): plain step {step[1]:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
-            f"({size / 1e6:.0f} MB) stream in {stream:.1f} ms at {bandwidth_gbs:.1f} GB/s: the step takes "
-            f"{step[1] / stream:.1f}x its streaming time; t(16)/t(1) = {step[16] / step[1]:.2f}")
+    med = statistics.median
+    gbs = [r[0] for r in rounds]
+    stream = [size / g / 1e6 for g in gbs]
+    one, sixteen = med(r[1] for r in rounds), med(r[2] for r in rounds)
+    to_stream = sorted(r[1] / s for r, s in zip(rounds, stream))
+    line = (f"{mode} ({fmt}): plain step {one:.1f} ms at a {DEFAULT_FIT_CONTEXT}-token context; its weights "
+            f"({size / 1e6:.0f} MB) stream in {med(stream):.1f} ms at {med(gbs):.1f} GB/s (read in the same rounds: "
+            f"{min(gbs):.1f}-{max(gbs):.1f}): the step takes {med(to_stream):.1f}x its streaming time "
+            f"({to_stream[0]:.1f}-{to_stream[-1]:.1f} round by round); t(16)/t(1) = "
+            f"{med(r[2] / r[1] for r in rounds):.2f} (t(16) {sixteen:.1f} ms)")
     if peak:
-        rows = 16
-        one, many = step_floor_ms(1, stream, products, peak), step_floor_ms(rows, stream, products, peak)
-        line += (f", against {many / one:.2f} were both passes at their floors here (one row: {one:.1f} ms; {rows} "
-                 f"rows: their {rows * products / 1e9:.2f} G products at this CPU's measured peak of "
-                 f"{peak / 1e9:.0f} G {PEAK_KINDS[PEAK_OF_FORMAT[fmt]][2]} a second on {torch.get_num_threads()} "
-                 f"threads, or the streaming if longer: {many:.1f} ms; t({rows}) is {step[rows] / many:.2f}x its "
-                 f"floor)")
+        n = 16
+        floors = [(step_floor_ms(1, s, products, peak), step_floor_ms(n, s, products, peak)) for s in stream]
+        many = med(f[1] for f in floors)
+        line += (f", against {med(f[1] / f[0] for f in floors):.2f} were both passes at their floors here (one row: "
+                 f"{med(f[0] for f in floors):.1f} ms; {n} rows: their {n * products / 1e9:.2f} G products at this "
+                 f"CPU's measured peak of {peak / 1e9:.0f} G {PEAK_KINDS[PEAK_OF_FORMAT[fmt]][2]} a second on "
+                 f"{torch.get_num_threads()} threads, or the streaming if longer: {many:.1f} ms; t({n}) is "
+                 f"{med(r[2] / f[1] for r, f in zip(rounds, floors)):.2f}x its floor)")
     return f"{line}; small operations: {small}"
 
 
-def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
+def show_limits(model: PreTrainedModel, mode: str) -> str:
     """One line: ``mode``'s plain (one-token) step on this machine against the time its weights take to stream at
-    ``bandwidth_gbs`` (the step's memory limit), and its 16-row pass against the least the CPU's peak arithmetic
-    allows (``limits_line``). Prepares a copy of ``model`` (fp32, unprepared) in the mode."""
+    the read bandwidth of the same minute (the step's memory limit), and its 16-row pass against the least the CPU's
+    peak arithmetic allows (``limits_line`` on ``paired_limits``). Prepares a copy of ``model`` (fp32, unprepared) in
+    the mode."""
     import copy
 
     from . import native
@@ -391,13 +421,12 @@ def show_limits(model: PreTrainedModel, mode: str, bandwidth_gbs: float) -> str:
     prepare_model(prepared, mode)
     plan = plan_of(prepared)
     fmt = plan.fmt if plan is not None else "fp32"
-    step = measure_forward_ms(prepared, sizes=(1, 16), use_cache_file=False)
+    rounds = paired_limits(prepared)
     forward = body(prepared)
     small = forward.small_ops() if hasattr(forward, "small_ops") else "the model's own forward"
     kind = PEAK_OF_FORMAT.get(fmt)
     peak = native.peak_products(kind) if kind else None
-    return limits_line(mode, fmt, step, weight_bytes(model, fmt), bandwidth_gbs, weight_bytes(model, "fp32") // 4,
-                       peak, small)
+    return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,9 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.mode or MODES:
         print(show_kernels(model, mode, remeasure=args.remeasure))
     bandwidth = read_bandwidth_gbs()
-    print(f"memory read bandwidth: {bandwidth:.1f} GB/s (a sum over 1 GiB, {torch.get_num_threads()} threads)")
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s (a sum over 1 GiB, {torch.get_num_threads()} threads; it "
+          f"moves from minute to minute on a shared machine, so each mode's line reads it again beside its steps)")
     for mode in args.mode or MODES:
-        print(show_limits(model, mode, bandwidth))
+        print(show_limits(model, mode))
     return 0
 
 
