@@ -424,6 +424,8 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     rounds = paired_limits(prepared)
     forward = body(prepared)
     small = forward.small_ops() if hasattr(forward, "small_ops") else "the model's own forward"
+    placed = kernels_module.pages_note(prepared)
+    small += f"; {placed}" if placed else ""
     kind = PEAK_OF_FORMAT.get(fmt)
     peak = native.peak_products(kind) if kind else None
     return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small)

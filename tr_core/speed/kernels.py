@@ -30,7 +30,7 @@ from torch import nn
 
 from ..assets import acceptance_stats
 from ..budget import expected_tokens
-from . import layouts
+from . import layouts, pages
 from .layouts import HEAD, LAYOUTS, KernelPlan
 
 MODES = ("exact", "fast")
@@ -384,16 +384,18 @@ def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
     output layer's dispatch (``OutputHead``); convert the model to bf16 first where the plan's format is bf16."""
     if plan.fmt == "bf16":
         model.to(torch.bfloat16)
-    for parent in list(model.base_model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu":
-                setattr(parent, name, ChosenLinear(child, plan))
+    with pages.huge_pages():  # the packed weights a step streams whole: on 2 MB pages where the system has them
+        for parent in list(model.base_model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                    setattr(parent, name, ChosenLinear(child, plan))
+        head = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
     from .lean import layers_swapped
     layers_swapped()
     lean = _LEAN.get(model)
     if lean is not None and hasattr(lean, "_collected"):  # a LeanLlama: the replaced linears not kept alive
         lean._collected = None
-    _HEADS[model] = _dispatch(plan, HEAD, model.get_output_embeddings().weight.detach())
+    _HEADS[model] = head
     _PLANS[model] = plan
     _LATEST[plan.mode] = describe_format(plan, attention_invariant(model))
 
@@ -485,8 +487,44 @@ def kernel_summary(model: nn.Module) -> str:
     head = [(r, plan.layouts[HEAD][r]) for r in plan.rows]
     lean = body(model)
     small = f"; small operations: {lean.small_ops()}" if hasattr(lean, "small_ops") else ""
+    placed = pages_note(model)
     return (f"{plan.mode} ({_format_name(plan.fmt)}): body {_ranges(chosen)}{_stack_note(plan)}; "
-            f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads){small}")
+            f"output layer {_ranges(head)} ({plan.source}, {torch.get_num_threads()} threads){small}"
+            + (f"; {placed}" if placed else ""))
+
+
+def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The packed weights a prepared model's steps read (``ChosenLinear``'s and the output layer's layouts' copies
+    that are plain tensors or native tiles), each once."""
+    tables = [m._table + [m._large] for m in model.modules() if isinstance(m, ChosenLinear)]
+    head = _HEADS.get(model)
+    if head is not None:
+        tables.append(head[0] + [head[1]])
+    out, seen = [], set()
+    for table in tables:
+        for _, packed in table:
+            t = packed.tiles if isinstance(packed, layouts.WeightTiles) else packed
+            if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided):
+                continue
+            try:
+                at = t.data_ptr()
+            except RuntimeError:  # no storage (a meta or opaque tensor): nothing a step streams from memory here
+                continue
+            if at not in seen:
+                seen.add(at)
+                out.append(t)
+    return out
+
+
+def pages_note(model: nn.Module) -> str:
+    """How much of a prepared model's packed weights lies on 2 MB pages now (``pages``), in words; "" where it has
+    none of native.c's tiles (the only ones placed there)."""
+    tensors = [t for t in packed_tensors(model) if t.dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    if not tensors:
+        return ""
+    on, total = pages.huge_share(tensors)
+    return (f"packed weights on 2 MB pages: {on / 1e6:.0f} of {total / 1e6:.0f} MB (the system's transparent huge "
+            f"pages: {pages.mode()})")
 
 
 def _stack_note(plan: KernelPlan) -> str:

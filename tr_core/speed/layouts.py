@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import pages
+
 # Row counts timed: one token (plain decoding) up to the largest shipped tree (the paper's, 81 nodes). A row count in
 # between takes the choice of the next timed count above it; more rows (a prefill) take the format's F.linear.
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
@@ -120,11 +122,19 @@ def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
         pairs = -(-inp // 2)
         padded = torch.zeros(-(-out // TILE) * TILE, 2 * pairs, dtype=dtype)
         padded[:out, :inp] = w
-        return WeightTiles(padded.view(-1, TILE, pairs, 2).transpose(1, 2).contiguous(), out, inp)
+        return WeightTiles(_placed(padded.view(-1, TILE, pairs, 2).transpose(1, 2)), out, inp)
     padded = torch.zeros(-(-out // TILE) * TILE, inp, dtype=dtype)
     fp16 = torch.finfo(torch.float16).max  # as fbgemm's packing does: a weight beyond fp16's range saturates
     padded[:out] = w.clamp(-fp16, fp16) if dtype == torch.float16 else w
-    return WeightTiles(padded.view(-1, TILE, inp).transpose(1, 2).contiguous(), out, inp)
+    return WeightTiles(_placed(padded.view(-1, TILE, inp).transpose(1, 2)), out, inp)
+
+
+def _placed(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``view`` made by ``pages.empty``: on 2 MB pages where a model's plan is being applied
+    (``kernels.apply_plan``) and the system offers them."""
+    out = pages.empty(tuple(view.shape), view.dtype)
+    out.copy_(view)
+    return out
 
 
 def _fp16_tiles(w: torch.Tensor) -> WeightTiles:
