@@ -240,8 +240,9 @@ def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
 
 
 def _fetch_choice(library_path: Path) -> dict:
-    """``choose_fetch`` on this machine, timed on an fp32 linear layer of 64 MB (out of the caches, like a model's
-    weights), kept in a file beside the built library (so measured once per library and CPU)."""
+    """``choose_fetch`` on this machine, timed on an fp32 linear layer of 64 MB (out of the caches and on the pages
+    a model's weights get, like them), kept in a file beside the built library (so measured once per library and
+    CPU)."""
     kept = library_path.with_suffix(".fetch")
     try:
         rows, why = kept.read_text().split("\n", 1)
@@ -251,9 +252,11 @@ def _fetch_choice(library_path: Path) -> dict:
     set_rows, linear = _OPTIONAL_HERE["tr_fetch_from_rows"], _OPTIONAL_HERE.get("tr_linear_f32")
     if linear is None:
         return {"rows": NEVER, "why": "not measured: no fp32 linear layer here"}
+    from . import pages
     from .layouts import weight_tiles
     inputs, outputs = 2048, 8192
-    tiles = weight_tiles(torch.full((outputs, inputs), 0.5), torch.float32).tiles  # written: real pages
+    with pages.huge_pages():  # placed as a model's packed weights are (``kernels.apply_plan``)
+        tiles = weight_tiles(torch.full((outputs, inputs), 0.5), torch.float32).tiles  # written: real pages
     x, y = torch.randn(12, inputs), torch.empty(12, outputs)
     threads = torch.get_num_threads()
 
