@@ -125,6 +125,18 @@ def test_the_limits_line_sets_the_16_row_pass_against_the_least_this_cpu_allows(
     assert step_floor_ms(2, 5.0, 50_000_000, 1e11) == 5.0  # two rows' products hide behind the streaming
     bare = limits_line("exact", "fp32", rounds, 100_000_000, 50_000_000, None, "torch")
     assert "floor" not in bare and bare.endswith("small operations: torch")
+    # with attention's 5 M products a row at 50 G a second: 16 rows 8 + 1.6 ms busy; one row still the streaming
+    both = limits_line("fast", "bf16p", rounds, 100_000_000, 50_000_000, 1e11, "native", 5_000_000, 5e10)
+    assert "and attention's 0.08 G fp32 multiply-adds at 256 positions at 50 G a second" in both
+    assert "against 1.92 were both passes at their floors here (one row: 5.0 ms" in both and "9.6 ms; t(16)" in both
+
+
+def test_attention_products_count_every_head_s_scores_and_values():
+    from tr_core.speed.calibrate import attention_products
+    model = tiny_model("llama")
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    assert attention_products(model, 100) == c.num_hidden_layers * c.num_attention_heads * 100 * 2 * head_dim
 
 
 def test_the_limits_line_sets_each_step_against_the_bandwidth_of_its_own_round():

@@ -344,15 +344,31 @@ def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
 PEAK_OF_FORMAT = {"fp32": "fma", "fp16": "fma", "bf16p": "bf16dot"}
 
 
-def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None) -> float:
+def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None, attention: int = 0,
+                  attention_peak: float | None = None) -> float:
     """The least time a pass of ``rows`` rows can take on this machine: its weights streamed once (``stream_ms``)
-    or its ``products`` a row at the CPU's ``peak`` products a second, whichever is longer (they overlap at best);
-    the streaming time alone where the peak is unknown.
+    or its arithmetic, whichever is longer (they overlap at best): ``products`` a row at the CPU's ``peak`` products a
+    second, plus ``attention`` products a row (the keys' and values', fp32) at ``attention_peak`` (the same cores
+    do both, so these add); the streaming time alone where the peak is unknown.
 
     >>> step_floor_ms(1, 8.0, 100_000_000, 1e11), step_floor_ms(16, 8.0, 100_000_000, 1e11)
     (8.0, 16.0)
+    >>> round(step_floor_ms(16, 8.0, 100_000_000, 1e11, attention=10_000_000, attention_peak=5e10), 6)
+    19.2
     """
-    return max(stream_ms, rows * products / peak * 1e3) if peak else stream_ms
+    if not peak:
+        return stream_ms
+    busy = rows * products / peak + (rows * attention / attention_peak if attention and attention_peak else 0.0)
+    return max(stream_ms, busy * 1e3)
+
+
+def attention_products(model: PreTrainedModel, context: int = DEFAULT_FIT_CONTEXT) -> int:
+    """A row's products in attention over ``context`` cached positions, all layers: each query head's scores and
+    weighted values (2 x head_dim a position)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * heads * context * 2 * head_dim
 
 
 LIMIT_ROUNDS = 7  # rounds of ``paired_limits``: a read of the memory, then a block of 1-row and 16-row steps
@@ -377,12 +393,13 @@ def paired_limits(model: PreTrainedModel, rounds: int = LIMIT_ROUNDS, block: int
 
 
 def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]], size: int, products: int,
-                peak: float | None, small: str) -> str:
+                peak: float | None, small: str, attention: int = 0, attention_peak: float | None = None) -> str:
     """``show_limits``'s line from its measurements, ``paired_limits``' rounds (bandwidth GB/s, t(1) ms, t(16) ms):
     the plain step against its weights' streaming time (``size`` bytes at its round's bandwidth), and t(16)/t(1)
     against the ratio of the two passes' floors here (``step_floor_ms``, with the CPU's ``peak`` products a second of
-    the format's instruction, None where not measured: then no floor is claimed). Each ratio is the median of the
-    rounds' own; the times and the bandwidth printed are the rounds' medians."""
+    the format's instruction, None where not measured: then no floor is claimed; and ``attention`` products a row at
+    ``attention_peak``, the fp32 multiply-adds' peak, where given). Each ratio is the median of the rounds' own; the
+    times and the bandwidth printed are the rounds' medians."""
     from .native import PEAK_KINDS
 
     med = statistics.median
@@ -397,12 +414,15 @@ def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]
             f"{med(r[2] / r[1] for r in rounds):.2f} (t(16) {sixteen:.1f} ms)")
     if peak:
         n = 16
-        floors = [(step_floor_ms(1, s, products, peak), step_floor_ms(n, s, products, peak)) for s in stream]
+        floors = [(step_floor_ms(1, s, products, peak, attention, attention_peak),
+                   step_floor_ms(n, s, products, peak, attention, attention_peak)) for s in stream]
+        also = (f", and attention's {n * attention / 1e9:.2f} G fp32 multiply-adds at {DEFAULT_FIT_CONTEXT} positions "
+                f"at {attention_peak / 1e9:.0f} G a second" if attention and attention_peak else "")
         many = med(f[1] for f in floors)
         line += (f", against {med(f[1] / f[0] for f in floors):.2f} were both passes at their floors here (one row: "
                  f"{med(f[0] for f in floors):.1f} ms; {n} rows: their {n * products / 1e9:.2f} G products at this "
                  f"CPU's measured peak of {peak / 1e9:.0f} G {PEAK_KINDS[PEAK_OF_FORMAT[fmt]][2]} a second on "
-                 f"{torch.get_num_threads()} threads, or the streaming if longer: {many:.1f} ms; t({n}) is "
+                 f"{torch.get_num_threads()} threads{also}, or the streaming if longer: {many:.1f} ms; t({n}) is "
                  f"{med(r[2] / f[1] for r, f in zip(rounds, floors)):.2f}x its floor)")
     return f"{line}; small operations: {small}"
 
@@ -428,7 +448,9 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     small += f"; {placed}" if placed else ""
     kind = PEAK_OF_FORMAT.get(fmt)
     peak = native.peak_products(kind) if kind else None
-    return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small)
+    fma = (peak if kind == "fma" else native.peak_products("fma")) if peak else None  # attention's: fp32 in every mode
+    return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small,
+                       attention_products(model), fma)
 
 
 def main(argv: list[str] | None = None) -> int:
