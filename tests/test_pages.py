@@ -108,3 +108,37 @@ def test_the_share_on_huge_pages_is_read_from_the_process_own_mappings(monkeypat
     # 6 MB inside the mapping with 4 MB of huge pages (at most 4 counted), 1 MB in the one without
     on, total = pages.huge_share([Span(0x7f0000000000, 6 << 20), Span(0x7f0000800000, 1 << 20)])
     assert (on, total) == (4 << 20, 7 << 20)
+
+
+@pytest.mark.skipif("native" not in layouts.available_layouts(), reason="no C linear layer built here")
+@torch.inference_mode()
+def test_a_plan_s_native_tiles_are_packed_on_advised_pages_and_the_summary_says_how_many(monkeypatch):
+    from conftest import tiny_model
+
+    from tr_core.speed import kernels
+    from tr_core.speed.layouts import linear_shapes, make_plan
+
+    def prepared():
+        model = tiny_model("llama", dtype=torch.float32)
+        counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+        t = {(s, r, n): 1.0 if n == "native" else 2.0 for s in counts for r in (1, 4) for n in ("linear", "native")}
+        kernels.prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear", "native")))
+        return model
+
+    placed = prepared()
+    tiles = kernels.packed_tensors(placed)
+    assert tiles and all(t.dtype == torch.float32 and t.is_contiguous() for t in tiles)
+    if pages.available():
+        assert all("hg" in mapping_of(t.data_ptr())[1] for t in tiles)
+    monkeypatch.setattr(pages, "huge_share", lambda ts: (sum(t.numel() * 4 for t in ts) // 2,
+                                                         sum(t.numel() * 4 for t in ts)))
+    monkeypatch.setattr(pages, "mode", lambda: "madvise")
+    total = sum(t.numel() * 4 for t in tiles)
+    assert kernels.kernel_summary(placed).endswith(
+        f"; packed weights on 2 MB pages: {total // 2 / 1e6:.0f} of {total / 1e6:.0f} MB (the system's transparent "
+        "huge pages: madvise)")
+    monkeypatch.setattr(pages, "available", lambda: False)  # the same model on 4 kB pages: the same numbers
+    plain = prepared()
+    assert not any("hg" in (mapping_of(t.data_ptr()) or ("", []))[1] for t in kernels.packed_tensors(plain))
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    assert torch.equal(placed(input_ids=ids).logits, plain(input_ids=ids).logits)

@@ -494,8 +494,8 @@ def kernel_summary(model: nn.Module) -> str:
 
 
 def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The packed weights a prepared model's steps read (``ChosenLinear``'s and the output layer's layouts' copies
-    that are plain tensors or native tiles), each once."""
+    """The tiles of native.c's linear layers (``layouts.WeightTiles``) that a prepared model's layers and output layer
+    read, each once: the packed weights ``apply_plan`` places on 2 MB pages (``pages``)."""
     tables = [m._table + [m._large] for m in model.modules() if isinstance(m, ChosenLinear)]
     head = _HEADS.get(model)
     if head is not None:
@@ -503,12 +503,12 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     out, seen = [], set()
     for table in tables:
         for _, packed in table:
-            t = packed.tiles if isinstance(packed, layouts.WeightTiles) else packed
-            if not (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided):
+            if not isinstance(packed, layouts.WeightTiles):
                 continue
+            t = packed.tiles
             try:
                 at = t.data_ptr()
-            except RuntimeError:  # no storage (a meta or opaque tensor): nothing a step streams from memory here
+            except RuntimeError:  # no storage (a meta tensor): nothing a step streams from memory
                 continue
             if at not in seen:
                 seen.add(at)
@@ -517,14 +517,24 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def pages_note(model: nn.Module) -> str:
-    """How much of a prepared model's packed weights lies on 2 MB pages now (``pages``), in words; "" where it has
-    none of native.c's tiles (the only ones placed there)."""
-    tensors = [t for t in packed_tensors(model) if t.dtype in (torch.float32, torch.float16, torch.bfloat16)]
-    if not tensors:
-        return ""
-    on, total = pages.huge_share(tensors)
-    return (f"packed weights on 2 MB pages: {on / 1e6:.0f} of {total / 1e6:.0f} MB (the system's transparent huge "
-            f"pages: {pages.mode()})")
+    """How much of a prepared model's packed weights lies on 2 MB pages (``pages``), in words, read once per plan put
+    into the model (``/proc/self/smaps``: ~10 ms); "" where it has none of native.c's tiles (the only ones placed
+    there)."""
+    plan = _PLANS.get(model)
+    kept = _PAGES_NOTES.get(model)
+    if kept is not None and kept[0] is plan:
+        return kept[1]
+    tensors = packed_tensors(model)
+    note = ""
+    if tensors:
+        on, total = pages.huge_share(tensors)
+        note = (f"packed weights on 2 MB pages: {on / 1e6:.0f} of {total / 1e6:.0f} MB (the system's transparent "
+                f"huge pages: {pages.mode()})")
+    _PAGES_NOTES[model] = (plan, note)
+    return note
+
+
+_PAGES_NOTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its plan, pages_note's words)
 
 
 def _stack_note(plan: KernelPlan) -> str:
