@@ -142,3 +142,21 @@ def test_a_plan_s_native_tiles_are_packed_on_advised_pages_and_the_summary_says_
     assert not any("hg" in (mapping_of(t.data_ptr()) or ("", []))[1] for t in kernels.packed_tensors(plain))
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     assert torch.equal(placed(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_where_the_system_refuses_the_advice_the_memory_still_serves(monkeypatch):
+    """A kernel or sandbox may answer MADV_HUGEPAGE with an error: the tensor is made all the same (on 4 kB
+    pages), so a model still prepares."""
+    import mmap
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(pages.mmap, "mmap", Refusing)
+    monkeypatch.setattr(pages, "available", lambda: True)
+    monkeypatch.setattr(pages, "_chunk", [None, 0, 0])  # a fresh chunk, so a mapping is made (and advised) now
+    with pages.huge_pages():
+        t = pages.empty((1000, 300), torch.float32)
+    t.fill_(3.0)
+    assert t.shape == (1000, 300) and float(t.sum()) == 3.0 * t.numel()

@@ -71,7 +71,10 @@ def _mapping(size: int) -> np.ndarray:
     m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory has no THP
     whole = np.frombuffer(m, dtype=np.uint8)
     start = -whole.ctypes.data % HUGE
-    m.madvise(mmap.MADV_HUGEPAGE, start, size // HUGE * HUGE or HUGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, start, size // HUGE * HUGE or HUGE)
+    except OSError:  # a kernel or sandbox that refuses the advice: the memory works as well, on 4 kB pages
+        pass
     return whole[start:start + size]
 
 
