@@ -503,16 +503,9 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     out, seen = [], set()
     for table in tables:
         for _, packed in table:
-            if not isinstance(packed, layouts.WeightTiles):
-                continue
-            t = packed.tiles
-            try:
-                at = t.data_ptr()
-            except RuntimeError:  # no storage (a meta tensor): nothing a step streams from memory
-                continue
-            if at not in seen:
-                seen.add(at)
-                out.append(t)
+            if isinstance(packed, layouts.WeightTiles) and packed.tiles.data_ptr() not in seen:
+                seen.add(packed.tiles.data_ptr())
+                out.append(packed.tiles)
     return out
 
 
