@@ -444,6 +444,35 @@ def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone
 
 
 @needs_fbgemm
+def test_a_close_call_between_formats_is_timed_again_head_to_head(monkeypatch, tmp_path):
+    """fp16 weights and bf16 come out within 10% in the first rounds (fp32 far behind): the two are timed again,
+    alone together and in more rounds, and the second reading decides; the plan says so, and so does the cache."""
+    from tr_core.speed import calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
+    trials = []
+
+    def fake_whole(models, sizes, **kw):
+        trials.append((sorted(models), kw.get("repeats")))
+        ms = {"fp32": 8.0, "fp16": 5.0, "bf16": 5.3} if len(trials) == 1 else {"fp16": 5.0, "bf16": 4.0}
+        return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
+    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    model = tiny_model("llama", dtype=torch.float32)
+    plan = prepare_model(model, "fast")
+    assert trials == [(["bf16", "fp16", "fp32"], None), (["bf16", "fp16"], layouts.CLOSE_ROUNDS)]
+    assert plan.fmt == "bf16" and plan.whole_ms["fp32"][1] == 8.0 * (1 + 1 / 16)  # fp32 keeps its first reading
+    assert plan.whole_ms["fp16"][1] == 5.0 * (1 + 1 / 16) and plan.whole_ms["bf16"][1] == 4.0 * (1 + 1 / 16)
+    said = kernels.describe_format(plan)
+    assert ("a close call between fp16 weights and bf16 (within 10% in the first rounds), timed again head to head "
+            f"in {layouts.CLOSE_ROUNDS} rounds") in said
+    again = tiny_model("llama", dtype=torch.float32)  # the cache keeps the second reading and the note
+    plan = prepare_model(again, "fast")
+    assert plan.fmt == "bf16" and len(trials) == 2 and "a close call between fp16 weights and bf16" in \
+        kernels.describe_format(plan)
+
+
+@needs_fbgemm
 def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypatch, tmp_path):
     from tr_core.speed import calibrate
     from tr_core.speed.lean import fuse
@@ -491,7 +520,7 @@ def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was(
     fuse(model)
     before = {name: p.clone() for name, p in model.named_parameters()}
     plans = layouts.format_plans(model, "fast")
-    steps, why = kernels.whole_steps(model, plans, (1, 4), cache=False)
+    steps, why, _ = kernels.whole_steps(model, plans, (1, 4), cache=False)
     assert set(steps) == set(plans) and why.startswith("measured here")
     assert all(set(by) == {1, 4} and 0 < by[1] <= by[4] for by in steps.values())
     assert kernels.plan_of(model) is None and all(type(m) is not kernels.ChosenLinear for m in model.modules())

@@ -292,12 +292,17 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
     if len(plans) < 2:
         return first
     sizes = WHOLE_SIZES if gain else tuple(n for n in WHOLE_SIZES if n <= layouts.FORMAT_MAX_ROWS)
-    whole, why = whole_steps(model, plans, sizes, cache=first.source != layouts.BUSY_SOURCE, remeasure=remeasure)
+    whole, why, retimed = whole_steps(model, plans, sizes, cache=first.source != layouts.BUSY_SOURCE,
+                                      remeasure=remeasure, gain=gain)
     if whole is None:
         first.whole_note = why
         return first
     plan = plans[layouts.pick_format(whole, gain)]
     plan.whole_ms = whole
+    if retimed:
+        plan.whole_note = (f"a close call between {' and '.join(SHORT_NAMES[f] for f in retimed)} (within "
+                           f"{layouts.CLOSE:.0%} in the first rounds), timed again head to head in "
+                           f"{layouts.CLOSE_ROUNDS} rounds")
     plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
     return plan
 
@@ -315,12 +320,16 @@ def available_memory_bytes() -> int | None:
 
 
 def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int, ...], cache: bool = True,
-                remeasure: bool = False) -> tuple[dict[str, dict[int, float]] | None, str]:
+                remeasure: bool = False, gain: dict[int, float] | None = None
+                ) -> tuple[dict[str, dict[int, float]] | None, str, list[str]]:
     """Per format of ``plans``, t(N) of a whole step at ``sizes`` (``calibrate.whole_steps_ms``: the forward, the
     output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
-    (all copies held at once, and timed in turn round by round); cached per machine, model, mode and plans (``cache``:
-    also written; ``remeasure``: not read), and not written where other processes competed for the cores. Returns
-    (None, why) where the copies would not fit in the memory available."""
+    (all copies held at once, and timed in turn round by round). Where two or more formats come out within
+    ``layouts.CLOSE`` of the best (``layouts.close_formats``, scored with ``gain`` as ``pick_format`` scores them),
+    those are timed again, alone together, in ``layouts.CLOSE_ROUNDS`` rounds, and their times are the second
+    reading's. Cached per machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not
+    written where other processes competed for the cores. Returns (steps, how they were obtained, the formats timed
+    again), or (None, why, []) where the copies would not fit in the memory available."""
     import copy
     import hashlib
     import json
@@ -335,18 +344,24 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.is_file() and not remeasure:
         data = json.loads(path.read_text())
-        return {fmt: {int(n): ms for n, ms in by.items()} for fmt, by in data.items()}, "cached"
+        retimed, data = (data["retimed"], data["steps"]) if "steps" in data else ([], data)  # earlier files: steps
+        return {fmt: {int(n): ms for n, ms in by.items()} for fmt, by in data.items()}, "cached", retimed
     need = (len(plans) + 1) * sum(p.numel() * p.element_size() for p in model.parameters())
     free = available_memory_bytes()
     if free is not None and need > free:
         return None, (f"chosen on the linear layers' times alone: timing each format's whole step needs "
-                      f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available")
+                      f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available"), []
     copies, said = {}, _LATEST.get(mode)
     try:
         for fmt, plan in plans.items():
             copies[fmt] = copy.deepcopy(model)
             apply_plan(copies[fmt], plan)
         steps, busy = calibrate.whole_steps_ms(copies, sizes)
+        retimed = layouts.close_formats(steps, gain)
+        if retimed:
+            again, busy_again = calibrate.whole_steps_ms({fmt: copies[fmt] for fmt in retimed}, sizes,
+                                                         repeats=layouts.CLOSE_ROUNDS)
+            steps, busy = {**steps, **again}, busy or busy_again
     finally:
         copies.clear()
         if said is None:  # what the mode runs here is said by the models it prepares, not by these trials
@@ -355,8 +370,8 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
             _LATEST[mode] = said
     if cache and not busy:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(steps, indent=1))
-    return steps, layouts.BUSY_SOURCE if busy else "measured here"
+        path.write_text(json.dumps({"steps": steps, "retimed": retimed}, indent=1))
+    return steps, layouts.BUSY_SOURCE if busy else "measured here", retimed
 
 
 def own_weights(model: nn.Module) -> None:

@@ -44,6 +44,11 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 # the tie goes to the layout earlier in ``LAYOUTS`` (fewer extra weight copies, torch's own kernel first), and
 # between formats to the one earlier in ``FORMATS`` (fp32, then fp16, which keeps fp32 activations).
 TIE = 0.03
+# Formats whose whole-step scores lie within this fraction of the best one's are a close call on a shared machine (one
+# run here put bf16 products' one-token step at 10.7 ms against fp16 weights' 10.0, where four other readings gave
+# 7.7-9.9 against 8.0-10.0): ``kernels.whole_steps`` times them again, head to head, in ``CLOSE_ROUNDS`` rounds
+CLOSE = 0.10
+CLOSE_ROUNDS = 6
 # bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
 # only where native.c's tr_linear_bf16 runs (AVX-512 BF16)
 FORMATS = ("fp32", "fp16", "bf16", "bf16p")
@@ -472,6 +477,16 @@ def pick_format(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, flo
     >>> pick_format({"fp16": {1: 10.0, 4: 40.0}, "bf16": {1: 12.0, 4: 13.0}}, gain={1: 1.0, 4: 2.5})
     'bf16'
     """
+    score = format_scores(steps, gain)
+    best = min(score.values())
+    near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
+    return min(near, key=FORMATS.index)
+
+
+def format_scores(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, float] | None = None
+                  ) -> dict[str, float]:
+    """``pick_format``'s score of each format that competes (lower is faster; a difference of log(x) is x times the
+    speed): those timed at every row count any format was timed at (up to ``FORMAT_MAX_ROWS`` without ``gain``)."""
     steps = {fmt: s for fmt, s in steps.items() if s}
     if not steps:
         raise ValueError("no format has step times")
@@ -481,10 +496,22 @@ def pick_format(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, flo
     complete = {fmt: s for fmt, s in complete.items() if set(s) == rows}
     if not complete:
         raise ValueError("no format has step times at every row count")
-    score = {fmt: _step_score(s, gain) for fmt, s in complete.items()}
+    return {fmt: _step_score(s, gain) for fmt, s in complete.items()}
+
+
+def close_formats(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, float] | None = None) -> list[str]:
+    """The formats that ``pick_format`` would rank within ``CLOSE`` of the best (the best first), where there are
+    two or more; else [] (a clear call).
+
+    >>> close_formats({"fp16": {1: 10.0, 4: 12.0}, "bf16p": {1: 10.5, 4: 11.0}, "fp32": {1: 20.0, 4: 24.0}})
+    ['bf16p', 'fp16']
+    >>> close_formats({"fp16": {1: 10.0, 4: 12.0}, "fp32": {1: 20.0, 4: 24.0}})
+    []
+    """
+    score = format_scores(steps, gain)
     best = min(score.values())
-    near = [fmt for fmt, sc in score.items() if sc <= best + math.log1p(TIE)]
-    return min(near, key=FORMATS.index)
+    close = sorted((sc, fmt) for fmt, sc in score.items() if sc <= best + math.log1p(CLOSE))
+    return [fmt for _, fmt in close] if len(close) > 1 else []
 
 
 def gain_at(gain: Mapping[int, float], rows: int) -> float:
