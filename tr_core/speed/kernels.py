@@ -339,7 +339,7 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
 
     mode = next(iter(plans.values())).mode
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
-                    layouts.source_digest(calibrate)])
+                    layouts.source_digest(calibrate), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}"])
     name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
     path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.is_file() and not remeasure:
