@@ -301,7 +301,7 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
     plan.whole_ms = whole
     if retimed:
         plan.whole_note = (f"a close call between {' and '.join(SHORT_NAMES[f] for f in retimed)} (within "
-                           f"{layouts.CLOSE:.0%} in the first rounds), timed again head to head in "
+                           f"{layouts.CLOSE:.0%} in the first rounds): every format timed again in "
                            f"{layouts.CLOSE_ROUNDS} rounds")
     plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
     return plan
@@ -326,9 +326,9 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
     (all copies held at once, and timed in turn round by round). Where two or more formats come out within
     ``layouts.CLOSE`` of the best (``layouts.close_formats``, scored with ``gain`` as ``pick_format`` scores them),
-    those are timed again, alone together, in ``layouts.CLOSE_ROUNDS`` rounds, and their times are the second
-    reading's. Cached per machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not
-    written where other processes competed for the cores. Returns (steps, how they were obtained, the formats timed
+    every format is timed again in ``layouts.CLOSE_ROUNDS`` rounds, and that reading is the result. Cached per
+    machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not written where other
+    processes competed for the cores. Returns (steps, how they were obtained, the close formats that made it time
     again), or (None, why, []) where the copies would not fit in the memory available."""
     import copy
     import hashlib
@@ -339,7 +339,7 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
 
     mode = next(iter(plans.values())).mode
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
-                    layouts.source_digest(calibrate), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}"])
+                    layouts.source_digest(calibrate), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}-all"])
     name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
     path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.is_file() and not remeasure:
@@ -358,10 +358,10 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
             apply_plan(copies[fmt], plan)
         steps, busy = calibrate.whole_steps_ms(copies, sizes)
         retimed = layouts.close_formats(steps, gain)
-        if retimed:
-            again, busy_again = calibrate.whole_steps_ms({fmt: copies[fmt] for fmt in retimed}, sizes,
-                                                         repeats=layouts.CLOSE_ROUNDS)
-            steps, busy = {**steps, **again}, busy or busy_again
+        if retimed:  # every format again, so that all are compared on one reading: this machine's memory may run
+            # at half the speed a minute later (the close ones alone, timed again, once lost to fp32's first reading)
+            steps, busy_again = calibrate.whole_steps_ms(copies, sizes, repeats=layouts.CLOSE_ROUNDS)
+            busy = busy or busy_again
     finally:
         copies.clear()
         if said is None:  # what the mode runs here is said by the models it prepares, not by these trials

@@ -46,7 +46,7 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 TIE = 0.03
 # Formats whose whole-step scores lie within this fraction of the best one's are a close call on a shared machine (one
 # run here put bf16 products' one-token step at 10.7 ms against fp16 weights' 10.0, where four other readings gave
-# 7.7-9.9 against 8.0-10.0): ``kernels.whole_steps`` times them again, head to head, in ``CLOSE_ROUNDS`` rounds
+# 7.7-9.9 against 8.0-10.0): ``kernels.whole_steps`` then times every format again, in ``CLOSE_ROUNDS`` rounds
 CLOSE = 0.10
 CLOSE_ROUNDS = 6
 # bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
