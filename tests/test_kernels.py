@@ -444,7 +444,7 @@ def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone
 
 
 @needs_fbgemm
-def test_a_close_call_between_formats_is_timed_again_head_to_head(monkeypatch, tmp_path):
+def test_a_close_call_between_formats_times_every_format_again(monkeypatch, tmp_path):
     """fp16 weights and bf16 come out within 10% in the first rounds (fp32 far behind): every format is timed
     again, in more rounds, and the second reading decides (all formats on one reading: the machine may have slowed
     down in between); the plan says so, and so does the cache."""
