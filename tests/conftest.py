@@ -29,6 +29,16 @@ def pytest_configure(config):
                                        "-m 'not load' skips them locally")
     config.addinivalue_line("markers", "app: a launched app, a browser or gradio's page (left out by --fast)")
     config.addinivalue_line("markers", "slow: a test of ten seconds or more (left out by --fast)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one; device_check.sh runs them)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device here (scripts/device_check.sh runs these on a GPU)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 def _on_this_machine(host) -> bool:

@@ -29,9 +29,11 @@ FORBIDDEN = {  # package -> the top-level modules none of its modules may import
 }
 TR_CORE_FOR_VISUALIZE = {"tr_core", "tr_core.events"}  # the parts of tr_core visualize may import
 # Within tr_core: the algorithm (its top-level modules) and the speed code never import the tools (benchmark, asset
-# builders); the speed code never imports the methods beyond the paper nor the engine that assembles them.
-WITHIN = {"tr_core": {"tr_core.tools"},
-          "tr_core.speed": {"tr_core.tools", "tr_core.beyond", "tr_core.rivals", "tr_core.engine"}}
+# builders); the two backends below the seam (``tr_core.backend``: the native CPU kernels in tr_core.speed, the torch
+# backend in tr_core.fixed) never import the decoding loop, the drafters, the methods or the engine above it.
+ABOVE_THE_SEAM = {"tr_core.tools", "tr_core.beyond", "tr_core.rivals", "tr_core.engine", "tr_core.decoding",
+                  "tr_core.drafters"}
+WITHIN = {"tr_core": {"tr_core.tools"}, "tr_core.speed": ABOVE_THE_SEAM, "tr_core.fixed": ABOVE_THE_SEAM}
 TOP = ("app", "benchmark")  # the top-level modules; they may import anything
 
 # In a fresh interpreter: import each module named on the command line, in order, and print what each brought in.

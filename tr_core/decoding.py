@@ -23,24 +23,18 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from .backend import Backend, Run, make_backend
 from .drafters import Drafter, Outcome
 from .events import Rates, RowUpdate, StepEvent
+from .models import max_positions
 from .sampling import Sampler, Sampling, draft_probabilities
-from .speed import (
-    OutputHead,
-    body,
-    cache_dtype,
-    feed,
-    grouped_query_attention_in_sdpa,
-    keep_accepted_path,
-    new_cache,
-    window,
-    window_room,
-)
+from .speed import OutputHead
+from .speed.backend import NativeBackend, tree_attention, tree_mask  # noqa: F401 (tree_mask: decoding's name)
 from .text import TokenText
-from .tree import TreeBuffers, chain_tree, cut_depth
+from .topk import greedy_and_top_k, top_k
+from .tree import TreeBuffers, chain_tree, cut_depth, cut_size
 
 
 @dataclass
@@ -79,93 +73,30 @@ def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> 
     return torch.tensor(best[:best_len], dtype=torch.long, device=tree.paths.device)
 
 
-CHUNK = 64  # top_k: ids per chunk of the first pass
-DIRECT = 4096  # top_k: rows this long or shorter go straight to torch.topk
+def accept_on_device(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
+    """``accept``'s rule as tensor operations along the template's paths, for a device where each host read costs a
+    sync: (2 + m,) holding the accepted draft tokens ``a``, then the best path's node indices (m = max depth + 1,
+    padded with -1; its first a + 1 are the accepted path). The first path in leaf order wins a tie, as in
+    ``accept`` (``argmax`` returns the first maximum). One read of this (with the tokens) is the step's host copy.
 
-
-def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(logits, k, dim=-1)`` for rows (n, V) over a large vocabulary, in a fraction of its time on CPU:
-    the same values, best first; among equal values the ids may be other equal-valued ids.
-
-    The ids are split into chunks of ``CHUNK`` consecutive ids, and only the ``k`` chunks with the largest maxima are
-    searched (plus the last ``V % CHUNK`` ids). Every value above the k-th largest ``v`` is found: a chunk holding
-    one has a maximum above ``v``, and fewer than ``k`` chunks do, so it is among the ``k`` taken; and the ``k``
-    chunks taken hold ``k`` distinct values of at least ``v`` (their maxima). One pass over the logits (the chunks'
-    maxima) instead of topk's partial sort of every row.
-
-    >>> values, ids = top_k(torch.arange(50000.).flip(0)[None], 3)
-    >>> values, ids
-    (tensor([[49999., 49998., 49997.]]), tensor([[0, 1, 2]]))
+    >>> from tr_core.tree import build_tree
+    >>> tree = build_tree([(0,), (1,), (0, 0)])
+    >>> accept_on_device(torch.tensor([5, 6, 7, 8]), torch.tensor([6, 8, 0, 3]), tree).tolist()
+    [2, 0, 1, 3]
     """
-    n, vocab = logits.shape
-    m = vocab // CHUNK
-    if vocab <= DIRECT or k > m or logits.stride(-1) != 1:
-        return torch.topk(logits, k, dim=-1)
-    maxima = logits[:, :m * CHUNK].view(n, m, CHUNK).amax(dim=-1)  # (n, m): chunk c's maximum
-    chunks = top_k(maxima, k).indices  # (n, k), recursively for a very large vocabulary
-    ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=logits.device)).view(n, k * CHUNK)
-    if vocab % CHUNK:
-        ids = torch.cat([ids, torch.arange(m * CHUNK, vocab, device=logits.device).expand(n, -1)], dim=1)
-    values, picked = torch.topk(logits.gather(1, ids), k, dim=-1)
-    return torch.return_types.topk((values, ids.gather(1, picked)))
-
-
-def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The greedy choice of every row, exactly as ``argmax`` makes it, and the row's ``k`` best token ids (n, k),
-    best first, from one ``topk`` (None for ``k`` = 0). A drafter that learns from every node's top-k so needs no
-    second pass over the vocabulary for the greedy choice.
-
-    ``argmax`` takes the lowest id among equal maxima, while ``topk`` promises no order among equal values, so rows
-    whose two best logits are equal take their greedy choice from ``argmax``.
-    """
-    if k < 2:
-        predicted = logits.argmax(dim=-1)
-        return predicted, (predicted[:, None] if k == 1 else None)
-    values, top = top_k(logits, k)
-    predicted = top[:, 0].clone()
-    ties = values[:, 0] == values[:, 1]
-    if bool(ties.any()):
-        predicted[ties] = logits[ties].argmax(dim=-1)
-    return predicted, top
-
-
-def tree_mask(tree: TreeBuffers, past_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive 4D mask (1, 1, n, past_len + n): 0 where a node may attend, the dtype's minimum elsewhere."""
-    n = tree.size
-    mask = torch.zeros(1, 1, n, past_len + n, dtype=dtype, device=device)
-    mask[0, 0, :, past_len:].masked_fill_(~tree.mask.to(device), torch.finfo(dtype).min)
-    return mask
-
-
-def tree_attention(base: torch.nn.Module, tree: TreeBuffers, past_len: int, dtype: torch.dtype,
-                   device: torch.device) -> dict:
-    """The keyword that tells ``base`` (``body``'s forward) which positions each of a step's rows sees: none for a
-    chain (causal); for the windowed attention of the lean forward, ``visible``, the tree's own (n, n) mask; else
-    ``attention_mask``, the additive 4D mask over the cache and the tree (``tree_mask``; its size grows with the
-    context: ~80 x 1,000 floats filled a step for the paper's tree at 900 cached tokens)."""
-    if _is_chain(tree):
-        return {}
-    if window(base) is not None:
-        return {"visible": tree.mask.to(device)}
-    return {"attention_mask": tree_mask(tree, past_len, dtype, device)}
-
-
-def _is_chain(tree: TreeBuffers) -> bool:
-    return tree.size == tree.max_depth + 1
+    paths = tree.paths.to(tokens.device)
+    if tree.size == 1:
+        return torch.cat([paths.new_zeros(1), paths.new_zeros(1)])
+    safe = paths.clamp(min=0)
+    agree = (tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & (paths[:, 1:] >= 0)
+    accepted = agree.long().cumprod(dim=1).sum(dim=1)  # (P,): the draft tokens each path keeps
+    best = accepted.argmax()
+    return torch.cat([accepted[best, None], paths[best]])
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def max_positions(model: PreTrainedModel) -> int | None:
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def _check(model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int) -> int | None:
@@ -189,20 +120,19 @@ def _last_occurrences(ids: torch.Tensor) -> torch.Tensor:
     return last.sort().values
 
 
-def prefill(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, ids: torch.Tensor,
-            drafter: Drafter) -> None:
-    """Run ``ids`` (p,), the prompt but its last token (the first root), into ``cache``. The prefill needs no
-    logits, unless the drafter learns from the prompt (``needs.prefill``): then it learns from one row per distinct
-    prompt token, at its last occurrence (an ``Outcome`` without a path), in chunks of 256."""
+def prefill(run: Run, ids: torch.Tensor, drafter: Drafter) -> None:
+    """Run ``ids`` (p,), the prompt but its last token (the first root), into the ``run``'s cache. The prefill needs
+    no logits, unless the drafter learns from the prompt (``needs.prefill``): then it learns from one row per
+    distinct prompt token, at its last occurrence (an ``Outcome`` without a path), in chunks of 256."""
     if ids.numel() == 0:
         return
-    hidden = feed(base, ids, cache)
+    hidden = run.prefill(ids)
     if drafter.needs.prefill:
         # what overwriting row after row in sequence order would leave, for the output layer and top-k of fewer
         # positions, in chunks to bound the peak
         last = _last_occurrences(ids)
         for i in range(0, last.numel(), 256):
-            logits = head(hidden[last[i:i + 256]])
+            logits = run.head(hidden[last[i:i + 256]])
             top = top_k(logits, drafter.needs.top_k).indices if drafter.needs.top_k else None
             drafter.learn(Outcome(ids[last[i:i + 256]], None, top, logits))
 
@@ -230,6 +160,8 @@ class Step:
     budget: int | None = None
     budget_estimates: dict = field(default_factory=dict)
     draft_probs: list[float] = field(default_factory=list)
+    token_list: list[int] = field(default_factory=list)  # ``tokens`` and ``predicted`` as read to the host
+    predicted_list: list[int] = field(default_factory=list)
 
 
 def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: torch.Tensor, tokens: torch.Tensor,
@@ -245,11 +177,11 @@ def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: tor
     return sampler.choose(logits, positions, processed), top, draft_probabilities(processed, tokens, tree.parents)
 
 
-def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, context: torch.Tensor,
-                drafter: Drafter, dtype: torch.dtype, max_pos: int | None, sampler: Sampler | None = None) -> Step:
-    """Draft, verify the draft in one forward pass, accept, keep the accepted path in ``cache``, and let the
-    drafter learn. ``context`` (L,): the sequence so far, of which ``cache`` holds all but the last token (the root).
-    ``sampler``: how tokens are chosen (None: greedy).
+def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int | None,
+                sampler: Sampler | None = None) -> Step:
+    """Draft, verify the draft in one forward pass, accept, keep the accepted path in the ``run``'s cache, and let
+    the drafter learn. ``context`` (L,): the sequence so far, of which the cache holds all but the last token (the
+    root). ``sampler``: how tokens are chosen (None: greedy).
     """
     started = time.perf_counter()
     device, past_len = context.device, context.numel() - 1
@@ -257,30 +189,37 @@ def verify_step(base: torch.nn.Module, head: OutputHead, cache: DynamicCache, co
     tokens, tree = draft.tokens, draft.tree
     if max_pos is not None and past_len + tree.max_depth >= max_pos:
         tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
-    if window(base) is not None and tree.max_depth > window_room(past_len):
-        # the step's rows must lie in one attention window (attention.py): the draft is cut at its end
-        tokens, tree = cut_depth(tokens, tree, window_room(past_len), "at an attention window's end")
+    room = run.room(past_len)
+    if room is not None and tree.max_depth > room[0]:
+        tokens, tree = cut_depth(tokens, tree, *room)
+    if run.max_nodes is not None and tree.size > run.max_nodes:
+        tokens, tree = cut_size(tokens, tree, run.max_nodes, "(the rows of a pass on this backend)")
     if tree.parents.device != device:
         tree = tree.to(device)
-    positions = (past_len + tree.depth.to(device))[None]
-    seen = tree_attention(base, tree, past_len, dtype, device)
+    positions = past_len + tree.depth.to(device)
     _sync(device)
     t1 = time.perf_counter()
-    hidden = base(input_ids=tokens[None], position_ids=positions, cache=cache, use_cache=True,
-                  **seen).last_hidden_state[0]
-    logits = head(hidden)
-    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions[0] + 1, tokens, tree)
+    logits = run.verify(tokens, tree, past_len)
+    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions + 1, tokens, tree)
     _sync(device)
     t2 = time.perf_counter()
 
-    path = accept(tokens, predicted, tree)
-    bonus = int(predicted[path[-1]])
+    if device.type == "cpu":
+        path = accept(tokens, predicted, tree)
+        token_list, predicted_list, path_list = tokens.tolist(), predicted.tolist(), path.tolist()
+    else:  # one copy to the host a step: the accepted path with the draft and the choices
+        n = tokens.numel()
+        host = torch.cat([accept_on_device(tokens, predicted, tree), tokens, predicted]).tolist()
+        accepted, best = host[0], host[1:-2 * n]
+        token_list, predicted_list, path_list = host[-2 * n:-n], host[-n:], best[:accepted + 1]
+        path = torch.tensor(path_list, dtype=torch.long, device=device)
+    bonus = predicted_list[path_list[-1]]
     forward_ms = (t2 - t1) * 1e3
     rows = drafter.learn(Outcome(tokens, path, top, logits, forward_ms, whole=tree.size == draft.tree.size))
-    keep_accepted_path(cache, past_len, tree.size, path)
-    new_tokens = tokens[path[1:]].tolist() + [bonus]
+    run.keep(past_len, tree.size, path)
+    new_tokens = [token_list[i] for i in path_list[1:]] + [bonus]
     return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, draft.budget,
-                draft.estimates, draft_probs)
+                draft.estimates, draft_probs, token_list, predicted_list)
 
 
 def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,
@@ -316,7 +255,7 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
     ``sampling``: how the step chose (``Sampling.describe``).
     The caller fills in ``overhead_ms`` and ``elapsed_s``, which count this function's time too."""
     new_text = text.append(new, final=stop_reason is not None) if text else ""
-    tree_tokens = step.tokens.tolist()
+    tree_tokens = step.token_list or step.tokens.tolist()
     return StepEvent(
         step=index,
         method=method,
@@ -326,7 +265,7 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
         tree_ranks=list(step.tree.rank_list),
         tree_sources=list(step.tree.sources),
         tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
-        predicted=step.predicted.tolist(),
+        predicted=step.predicted_list or step.predicted.tolist(),
         accepted_path=step.path.tolist(),
         bonus_token=step.bonus,
         new_tokens=new,
@@ -347,32 +286,32 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
 @torch.inference_mode()
 def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
            eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-           head: OutputHead | None = None, sampling: Sampling | None = None) -> Iterator[StepEvent]:
+           head: OutputHead | None = None, sampling: Sampling | None = None,
+           backend: Backend | None = None) -> Iterator[StepEvent]:
     """Decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass: greedy, or sampled
     by ``sampling`` (None or temperature 0: greedy), the output the same as plain decoding's either way.
 
     Stops exactly at the first EOS (included in the output) or after ``max_new_tokens`` tokens, or when the model's
-    context is full. ``text`` turns ids into strings for the events (empty strings without it). ``head`` is the
-    output layer (made once per model by the caller that decodes many prompts; see ``kernels.OutputHead``).
+    context is full. ``text`` turns ids into strings for the events (empty strings without it). ``backend`` computes
+    the passes (``tr_core.backend``; None: the native one on a CPU with ``head``, the output layer made once per
+    model by a caller that decodes many prompts, ``kernels.OutputHead``; the torch one elsewhere).
     """
     max_pos = _check(model, prompt_ids, max_new_tokens)
-    device, dtype = model.device, model.dtype
-    if device.type == "cpu":
-        grouped_query_attention_in_sdpa()  # tree steps attend to the cache without copying it (kernels.py)
-    base, head = body(model), head or OutputHead(model)
+    device = model.device
+    if backend is None:
+        backend = NativeBackend(model, head) if device.type == "cpu" else make_backend(model, "torch")
     length = len(prompt_ids)
     seq = torch.empty(length + max_new_tokens, dtype=torch.long, device=device)
     seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
-    # room for the whole output and a large tree, so that the cache never copies itself while decoding
-    cache = new_cache(model.config, length + max_new_tokens + 128, cache_dtype(base, dtype), device)
+    state = backend.start(length, max_new_tokens)
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling)
     how = (sampling or Sampling()).describe()
     started = time.perf_counter()
-    prefill(base, head, cache, seq[:length - 1], drafter)  # the cache holds all but the root
+    prefill(state, seq[:length - 1], drafter)  # the cache holds all but the root
 
     steps, generated, stop_reason = 0, 0, None
     while stop_reason is None:
-        step = verify_step(base, head, cache, seq[:length], drafter, dtype, max_pos, sampler)
+        step = verify_step(state, seq[:length], drafter, max_pos, sampler)
         new, stop_reason = stop_rule(step.new_tokens, max_new_tokens - generated, eos_ids, length, max_pos)
         seq[length:length + len(new)] = torch.tensor(new, dtype=torch.long)
         length, generated = length + len(new), generated + len(new)
@@ -386,10 +325,11 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
         eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-        keep_events: bool = True, head: OutputHead | None = None, sampling: Sampling | None = None) -> DecodeResult:
+        keep_events: bool = True, head: OutputHead | None = None, sampling: Sampling | None = None,
+        backend: Backend | None = None) -> DecodeResult:
     """Decode to the end and collect the result (with every event, unless ``keep_events`` is False)."""
     events, ids, pieces, last = [], [], [], None
-    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text, head, sampling):
+    for last in decode(model, prompt_ids, drafter, max_new_tokens, eos_ids, text, head, sampling, backend):
         ids.extend(last.new_tokens)
         pieces.append(last.new_text)
         if keep_events:

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .assets import TREES_DIR, acceptance_path, hot_start_path, model_slug
+from .backend import BACKENDS, make_backend, resolve_backend, resolve_device, torch_dtype
 from .budget import TreeBudget, candidate_sizes, likeliest_first
 from .decoding import DecodeResult, decode, max_positions, run
 from .drafters import (
@@ -70,9 +71,17 @@ class EngineConfig:
     mode: str = "exact"  # "exact" (fp32) or "fast" (fp16 weights on x86 CPUs, else bf16); see kernels.py
     pld_max_ngram: int = 3
     pld_max_draft: int = 10
+    device: str = "auto"  # where ``Engine.load`` puts the model: "auto" (CUDA where torch sees it), "cpu", "cuda:N"
+    backend: str = "auto"  # "native" (this project's CPU kernels), "torch" (fixed shapes, any device), "auto":
+    #                        native on a CPU, torch elsewhere (tr_core/backend.py)
+    rows: int | None = None  # the torch backend: query rows of every pass (None: the tree's size, rounded up)
 
     def __post_init__(self):
         check_method(self.method)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.rows is not None and not 1 <= self.rows <= 1024:
+            raise ValueError(f"rows must be between 1 and 1024, got {self.rows}")
         if not 1 <= self.top_k <= 64:
             raise ValueError(f"top_k must be between 1 and 64, got {self.top_k}")
         contexts = (self.fit_context,) if isinstance(self.fit_context, int) else self.fit_context
@@ -91,23 +100,28 @@ def check_ranks(tree: TreeBuffers, top_k: int) -> None:
                          f"{tree.max_rank + 1}; top_k is {top_k}")
 
 
-def _nested_for(model: PreTrainedModel, fitted: FittedTree) -> NestedTrees:
+def _nested_for(model: PreTrainedModel, fitted: FittedTree, cap: int | None = None) -> NestedTrees:
     """The trees an "auto" budget chooses among: the candidate sizes (with the fitted size) of the shipped
-    statistics' nodes, likeliest first, as ``fit_tree`` orders them."""
+    statistics' nodes, likeliest first, as ``fit_tree`` orders them; none larger than the fitted table goes, nor
+    than ``cap`` (the rows of a torch-backend pass)."""
     stats = json.loads(acceptance_path(model_slug(model)).read_text())
     order = likeliest_first(stats["acceptance"])
     paths = [tuple(stats["node_paths"][i]) for i in order[1:]]
-    return nested_trees(paths, candidate_sizes(len(order), include=[fitted.tree.size]))
+    limit = min(len(fitted.table), cap or len(order))
+    sizes = [n for n in candidate_sizes(len(order), include=[fitted.tree.size]) if n <= limit]
+    return nested_trees(paths, sizes)
 
 
-def _resolve_tree(model: PreTrainedModel, config: EngineConfig) -> tuple[FittedTree | None, TreeBuffers]:
+def _resolve_tree(model: PreTrainedModel, config: EngineConfig,
+                  curve: dict[int, float] | None = None) -> tuple[FittedTree | None, TreeBuffers]:
     """The tree a config asks for. "auto" needs the model's shipped acceptance statistics; a model without them
-    (any other hub model) falls back to the "small" template."""
+    (any other hub model) falls back to the "small" template. ``curve``: the backend's own t(N), where it is not
+    the native one's."""
     fitted = None
     sized = config.tree.startswith(AUTO + "-") and config.tree[len(AUTO) + 1:].isdigit()
     if (config.tree == AUTO or sized) and has_acceptance_stats(model):
         fitted = auto_tree(model, size=int(config.tree[len(AUTO) + 1:]) if sized else None,
-                           context=config.fit_context)
+                           context=config.fit_context, curve=curve)
     elif sized:
         raise ValueError(f"tree {config.tree!r} needs acceptance statistics for this model "
                          "(python -m tr_core.tools.build_assets)")
@@ -136,18 +150,61 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
+        self.backend_name = resolve_backend(config.backend, model.device)
+        if self.backend_name == "native":
+            prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
         self.head = OutputHead(model)
         self.config = config
-        self.fitted, self.tree = _resolve_tree(model, config)
-        self.nested = _nested_for(model, self.fitted) if self.adaptive else None
+        self.fitted, self.tree = _resolve_tree(model, config, self._torch_curve())
+        self.nested = _nested_for(model, self.fitted, self.rows) if self.adaptive else None
+        self.backend = self._make_backend()
         self.learners = Learners()
         self.matrix = self.fresh_matrix()
+
+    def _torch_curve(self) -> dict[int, float] | None:
+        """The torch backend's t(N), measured on its device (``fixed.timing.rows_curve``); None on the native one,
+        whose t(N) is ``calibrate.context_curve``'s."""
+        if self.backend_name != "torch":
+            return None
+        from .fixed.timing import rows_curve
+        context = self.config.fit_context
+        prefix = context if isinstance(context, int) else round(sum(context) / len(context))
+        return rows_curve(self.model, prefix)
+
+    def step_curve(self) -> dict[int, float]:
+        """t(N) (ms) of this engine's backend on this machine, on the config's ``fit_context``."""
+        curve = self._torch_curve()
+        return context_curve(self.model, self.config.fit_context) if curve is None else curve
+
+    @property
+    def rows(self) -> int | None:
+        """The torch backend's query rows a pass (every pass of every method, plain decoding's too; a larger draft
+        is cut to them): the config's, else on a GPU ``fixed.default_rows`` (the paper's tree fits), else the tree's
+        size (the fitted one's for "auto") or Prompt Lookup's longest draft, rounded up to ``fixed.TILE``; None on
+        the native backend, whose passes take the draft's own rows."""
+        if self.backend_name != "torch":
+            return None
+        from .fixed import TILE, default_rows, round_up
+        if self.config.rows:
+            return self.config.rows
+        if self.model.device.type != "cpu":
+            return default_rows(self.model.device)
+        return round_up(max(self.tree.size, self.config.pld_max_draft + 1), TILE)
+
+    def _make_backend(self):
+        if self.backend_name == "native":
+            from .speed.backend import NativeBackend
+            return NativeBackend(self.model, self.head)
+        return make_backend(self.model, "torch", self.rows)
 
     @classmethod
     def load(cls, model_id: str | None = None, config: EngineConfig = EngineConfig(),
              dtype: torch.dtype | None = None) -> "Engine":
-        model, tokenizer = load_model(model_id, dtype=mode_dtype(config.mode)[0] if dtype is None else dtype)
+        device = resolve_device(config.device)
+        if dtype is None:
+            native = resolve_backend(config.backend, device) == "native"
+            dtype = mode_dtype(config.mode)[0] if native else torch_dtype(config.mode)
+        model, tokenizer = load_model(model_id, dtype=dtype, device=str(device))
         return cls(model, tokenizer, config)
 
     @property
@@ -209,15 +266,19 @@ class Engine:
             raise ValueError("the mode sets the model's dtype: load another engine to change it")
         config = replace(self.config, **changes)
         engine = Engine.__new__(Engine)
+        if "backend" in changes and resolve_backend(changes["backend"], self.model.device) != self.backend_name:
+            raise ValueError("the backend sets the model's kernels: load another engine to change it")
         engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head, engine._datastore = (
             self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head, self._datastore)
-        engine.config = config
+        engine.config, engine.backend_name = config, self.backend_name
         if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
                                                                self.config.fit_context):
             engine.fitted, engine.tree, engine.nested = self.fitted, self.tree, self.nested  # no need to fit again
         else:
-            engine.fitted, engine.tree = _resolve_tree(self.model, config)
-            engine.nested = _nested_for(self.model, engine.fitted) if engine.adaptive else None
+            engine.fitted, engine.tree = _resolve_tree(self.model, config, engine._torch_curve())
+            engine.nested = _nested_for(self.model, engine.fitted, engine.rows) if engine.adaptive else None
+        engine.backend = (self.backend if engine.rows == self.rows and config.rows == self.config.rows
+                          else engine._make_backend())
         # the same settings share the budgets: each run teaches its method's (see the module docstring)
         same = replace(config, method=self.config.method) == self.config  # budgets are kept per method already
         engine.learners = self.learners if same else Learners()
@@ -260,7 +321,7 @@ class Engine:
         if method == "rest":  # as many of the likeliest nodes as pay for themselves on this machine's t(N)
             from .beyond.dynamic import PathCalibration
             from .rivals.rest import RestDrafter
-            curve = context_curve(self.model, self.config.fit_context)
+            curve = self.step_curve()
             calibration = self.learners.calibrations.setdefault(method, PathCalibration())  # kept across requests
             return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n), calibration=calibration)
         if method == "lookahead":
@@ -282,7 +343,7 @@ class Engine:
         from .assets import acceptance_stats
         from .rivals.lookahead import choose_size
         measured = (acceptance_stats(self.model) or {}).get("lookahead", [])
-        curve = context_curve(self.model, self.config.fit_context) if measured else None
+        curve = self.step_curve() if measured else None
         return choose_size(measured, (lambda n: interpolate(curve, n)) if curve else None)
 
     def _sizing(self, method: str) -> tuple[NestedTrees, TreeBudget]:
@@ -295,7 +356,7 @@ class Engine:
         nested = nested_trees(list(self.tree.node_paths[1:]), sizes, name=self.tree.name)
         budgets = self.learners.budgets
         if method not in budgets:
-            curve = context_curve(self.model, self.config.fit_context)
+            curve = self.step_curve()
             prior = [0.5 ** len(p) for p in self.tree.node_paths]  # the root's 1.0, then halving with depth
             budgets[method] = TreeBudget(sizes, [interpolate(curve, n) for n in sizes], prior)
         return nested, budgets[method]
@@ -324,10 +385,10 @@ class Engine:
         ``Sampling``, every method's output equals plain decoding's."""
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
         return decode(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
-                      self.head, sampling)
+                      self.head, sampling, self.backend)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int, method: str | None = None,
                  chat: bool = True, sampling: Sampling | None = None) -> DecodeResult:
         ids = prompt if isinstance(prompt, list) else self.encode(prompt, chat)
         return run(self.model, ids, self.drafter(method), max_new_tokens, self.eos_ids, TokenText(self.tokenizer),
-                   head=self.head, sampling=sampling)
+                   head=self.head, sampling=sampling, backend=self.backend)

@@ -117,9 +117,11 @@ def has_acceptance_stats(model: PreTrainedModel, acceptance_dir: Path = ACCEPTAN
 
 
 def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, size: int | None = None,
-              context: int | Sequence[int] = DEFAULT_FIT_CONTEXT) -> FittedTree:
+              context: int | Sequence[int] = DEFAULT_FIT_CONTEXT, curve: dict[int, float] | None = None
+              ) -> FittedTree:
     """The tree fitted to this model on this machine: shipped acceptance statistics + t(N) calibrated over a
-    ``context``-token cache (or averaged over several contexts, ``context_curve``). With ``size``, the ``size``
+    ``context``-token cache (or averaged over several contexts, ``context_curve``), or the ``curve`` given (a
+    backend's own t(N): no tree larger than its largest measured size is fitted). With ``size``, the ``size``
     likeliest nodes instead (named ``auto-<size>``), to compare sizes."""
     path = acceptance_path(model_slug(model), acceptance_dir)
     if not path.is_file():
@@ -131,7 +133,8 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
         raise ValueError(f"{path}: node_paths are not in BFS order")
     name = "auto" if size is None else f"auto-{size}"
     factors = {int(n): f for n, f in stats.get("size_factors", {}).items()}
-    fitted = fit_tree(source, stats["acceptance"], context_curve(model, context), name=name, size=size,
-                      factors=factors)
+    limit = None if curve is None else max(curve) - 1
+    curve = context_curve(model, context) if curve is None else curve
+    fitted = fit_tree(source, stats["acceptance"], curve, name=name, size=size, factors=factors, max_nodes=limit)
     fitted.context = context
     return fitted

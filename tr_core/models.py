@@ -161,6 +161,16 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_templa
     return list(ids)
 
 
+def max_positions(model: PreTrainedModel) -> int | None:
+    """The most positions ``model`` takes, from its config (None where it does not say)."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every id that ends a generation: the tokenizer's EOS and the model's generation config."""
     ids: set[int] = set()

@@ -291,3 +291,21 @@ def _from_json(path: Path) -> TreeBuffers:
     if "paths" in data and isinstance(data["paths"], list):
         return build_tree([tuple(p) if isinstance(p, list) else p for p in data["paths"]], name=name)
     raise TreeTemplateError(f"{path}: expected a JSON object with 'branching' or 'paths'")
+
+
+def cut_size(tokens: torch.Tensor, tree: TreeBuffers, max_nodes: int,
+             why: str = "") -> tuple[torch.Tensor, TreeBuffers]:
+    """The draft ``tokens`` (n,) and ``tree`` cut to their first ``max_nodes`` nodes: in BFS order every node's
+    parent comes before it, so those are a tree (a prefix of this one). The cut tree's name says so, and ``why``.
+
+    >>> tree = build_tree([(0,), (1,), (0, 0), (0, 0, 0)], name="t")
+    >>> tokens, cut = cut_size(torch.tensor([7, 8, 9, 10, 11]), tree, 4)
+    >>> tokens.tolist(), cut.parents.tolist(), cut.name
+    ([7, 8, 9, 10], [-1, 0, 0, 1], 't cut to 4 nodes')
+    """
+    if tree.size <= max_nodes:
+        return tokens, tree
+    cut, _ = tree_from_parents(tree.parents[:max_nodes].tolist(), tree.ranks[:max_nodes].tolist(),
+                               name=f"{tree.name} cut to {max_nodes} nodes{' ' + why if why else ''}",
+                               sources=tree.sources[:max_nodes])
+    return tokens[:max_nodes], cut

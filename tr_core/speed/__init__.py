@@ -28,7 +28,7 @@ from .kernels import (
 from .kv import keep_accepted_path, new_cache
 from .layouts import cpu_name
 
-# the calibration measures decoding steps (it imports the decoding loop): loaded on first use
+# the calibration measures whole steps (it imports the lean forward and the kernels): loaded on first use
 _LAZY = {"DEFAULT_FIT_CONTEXT": "calibrate", "context_curve": "calibrate", "interpolate": "calibrate",
          "machine_key": "calibrate", "machine_profile": "calibrate"}
 

@@ -20,13 +20,15 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .. import decoding
-from ..decoding import max_positions, top_k, tree_attention
-from ..models import default_cache_dir
+from .. import topk
+from ..models import default_cache_dir, max_positions
+from ..topk import top_k
 from ..tree import build_tree, load_template
 from . import attention, kv, layouts, lean, native
+from . import backend as backend_module
 from . import kernels as kernels_module
 from .attention import BLOCK
+from .backend import tree_attention
 from .kernels import (
     OutputHead,
     body,
@@ -47,7 +49,8 @@ def machine_key(model: PreTrainedModel) -> str:
     # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement), and
     # the code of the forward path and of this measurement
     plan = plan_of(model)
-    code = source_digest(attention, sys.modules[__name__], decoding, kernels_module, kv, lean, layouts, native)
+    code = source_digest(attention, sys.modules[__name__], topk, backend_module, kernels_module, kv, lean, layouts,
+                         native)
     code += native.tag()
     kernels = f"{code}-" + (plan.tag() if plan is not None else "torch")
     device = model.device.type if model.device.type != "cpu" else cpu_name()

@@ -1,0 +1,184 @@
+"""The torch backend (tr_core/fixed): every method's tokens equal plain decoding's on it by construction, at fp32
+on random models (where near-ties are common) and on the embedded model, greedy and sampled; a row's logits are the
+same alone and in any tree; the device is chosen as asked; the CUDA tests (marked ``cuda``) run on a GPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, RecyclingDrafter, load_template, run
+from tr_core.backend import make_backend, resolve_backend, resolve_device
+from tr_core.decoding import accept, accept_on_device
+from tr_core.fixed import TorchBackend
+from tr_core.fixed.rows import key_slots
+from tr_core.sampling import Sampling
+from tr_core.tree import build_tree, chain_tree, tree_from_parents
+
+NEW = 40
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g)
+        out.append((torch.cat([ids, ids[: ids.numel() // 2]]) if i % 2 else ids).tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_drafter_equals_plain_decoding_on_fp32_random_models(arch):
+    model = tiny_model(arch, dtype=torch.float32)
+    backend = TorchBackend(model, 16)
+    hot = AdjacencyMatrix(VOCAB, 8)
+    for sampling in (None, Sampling(temperature=0.9, seed=5)):
+        for prompt in _prompts(4, seed=len(arch)):
+            plain = run(model, prompt, PlainDrafter(), NEW, sampling=sampling, backend=backend).token_ids
+            for drafter in (PromptLookupDrafter(), RecyclingDrafter(hot, load_template("small")),
+                            RecyclingDrafter(AdjacencyMatrix(VOCAB, 8), load_template("paper"), True)):
+                got = run(model, prompt, drafter, NEW, sampling=sampling, backend=backend)
+                assert got.token_ids == plain, (arch, drafter.name, sampling)
+                assert max(len(e.tree_tokens) for e in got.events) <= 16  # the paper's 80 nodes cut to the rows
+
+
+def test_a_rows_logits_are_the_same_alone_and_in_a_tree():
+    model = tiny_model("llama", dtype=torch.float32)
+    backend = TorchBackend(model, 8)
+    seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        alone = backend.start(30, 8)
+        alone.prefill(seq[:20])
+        singles = []
+        for i in range(20, 26):  # one token a pass, as plain decoding runs
+            singles.append(alone.verify(seq[i:i + 1], chain_tree(0), i)[0])
+            alone.keep(i, 1, torch.tensor([0]))
+        # the same six tokens as the accepted path of a tree with other branches between them
+        together = backend.start(30, 8)
+        together.prefill(seq[:20])
+        parents = [-1, 0, 1, 0, 2, 4, 3, 5]
+        tokens = torch.tensor([int(seq[20]), int(seq[21]), int(seq[22]), 7, int(seq[23]), int(seq[24]), 9,
+                               int(seq[25])])
+        tree, order = tree_from_parents(parents, [0] * 8)
+        logits = together.verify(tokens[order], tree, 20)
+    on_path = [order.index(i) for i in (0, 1, 2, 4, 5, 7)]
+    for single, node in zip(singles, on_path):
+        assert torch.equal(single, logits[node])
+
+
+def test_key_slots_put_each_rows_ancestors_right_after_the_cache():
+    visible = build_tree([(0,), (1,), (0, 0)]).mask  # rows: root, a, b, a's child
+    index, valid = key_slots(torch.tensor(3), visible, slots=8)
+    rows = 4
+    zero = 8 + rows
+    assert index[3].tolist() == [0, 1, 2, 8, 9, 11, zero, zero]  # cache, root, a, itself
+    assert index[2].tolist() == [0, 1, 2, 8, 10, zero, zero, zero]  # cache, root, itself
+    assert valid.sum(1).tolist() == [4, 5, 5, 6]
+
+
+def test_acceptance_on_the_device_equals_the_hosts():
+    g = torch.Generator().manual_seed(3)
+    tree = load_template("paper")
+    for _ in range(200):
+        tokens = torch.randint(0, 3, (tree.size,), generator=g)
+        predicted = torch.randint(0, 3, (tree.size,), generator=g)
+        host = accept(tokens, predicted, tree).tolist()
+        packed = accept_on_device(tokens, predicted, tree).tolist()
+        assert packed[1:packed[0] + 2] == host
+    assert accept_on_device(torch.tensor([4]), torch.tensor([5]), chain_tree(0)).tolist() == [0, 0]
+
+
+def test_embedded_model_every_method_equals_plain_on_the_torch_backend(embedded):
+    from tr_core.engine import Engine, EngineConfig
+
+    model, tokenizer = embedded
+    engine = Engine(tiny_copy(model), tokenizer, EngineConfig(backend="torch", tree="small"))
+    assert engine.rows == 16 and engine.backend.name == "torch"
+    ids = engine.encode("Explain in two sentences why the sky is blue, then repeat it.")
+    for sampling in (None, Sampling(temperature=0.7, seed=2)):
+        plain = engine.generate(ids, 24, method="plain", sampling=sampling).token_ids
+        for method in ("tr", "tr-context", "pld", "lookahead"):
+            assert engine.generate(ids, 24, method=method, sampling=sampling).token_ids == plain, (method, sampling)
+
+
+def tiny_copy(model):
+    import copy
+    return copy.deepcopy(model)  # the torch backend sets the model's attention implementation: not the shared one
+
+
+def test_auto_picks_the_cpu_without_cuda_and_a_cuda_device_fails_clearly(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match="sees no CUDA device"):
+        resolve_device("cuda:0")
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("gpu-please")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend("native", torch.device("cuda"))
+
+
+def test_a_model_the_torch_backend_cannot_run_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="torch backend cannot run"):
+        make_backend(tiny_model("gpt2", dtype=torch.float32), "torch")
+
+
+def test_the_engine_names_its_backend_and_rejects_an_unknown_one(embedded):
+    from tr_core.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="unknown backend"):
+        EngineConfig(backend="fastest")
+
+
+# --- on a GPU (scripts/device_check.sh) -----------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_every_drafter_equals_plain_decoding(dtype):
+    model = tiny_model("llama", dtype=dtype).cuda()
+    backend = TorchBackend(model, 128)
+    assert backend.capture
+    for sampling in (None, Sampling(temperature=0.9, seed=5)):
+        for prompt in _prompts(4):
+            plain = run(model, prompt, PlainDrafter(), NEW, sampling=sampling, backend=backend).token_ids
+            for drafter in (PromptLookupDrafter(), RecyclingDrafter(AdjacencyMatrix(VOCAB, 8, "cuda"),
+                                                                    load_template("paper"), True)):
+                got = run(model, prompt, drafter, NEW, sampling=sampling, backend=backend).token_ids
+                assert got == plain, (dtype, drafter.name, sampling)
+
+
+@pytest.mark.cuda
+def test_cuda_the_captured_pass_equals_the_eager_pass_bit_for_bit():
+    model = tiny_model("llama", dtype=torch.float32).cuda()
+    tree = load_template("paper")
+    tokens = torch.randint(0, VOCAB, (tree.size,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    prompt = torch.randint(0, VOCAB, (40,), device="cuda")
+    out = {}
+    with torch.inference_mode():
+        for capture in (False, True):
+            state = TorchBackend(model, 128, capture=capture).start(41, 8)
+            state.prefill(prompt)
+            state.verify(tokens, tree.to("cuda"), 40)  # the first pass captures
+            out[capture] = state.verify(tokens, tree.to("cuda"), 40).clone()
+    assert torch.equal(out[False], out[True])
+
+
+@pytest.mark.cuda
+def test_cuda_drafting_on_the_device_gives_the_hosts_drafts():
+    tree = load_template("paper")
+    host, device = AdjacencyMatrix(VOCAB, 8), AdjacencyMatrix(VOCAB, 8, "cuda")
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, VOCAB, (VOCAB, 8), generator=g, dtype=torch.int32)
+    host.rows.copy_(rows)
+    device.rows.copy_(rows)
+    for root in range(0, VOCAB, 17):
+        assert host.retrieve(root, tree).tolist() == device.retrieve(root, tree.to("cuda")).tolist()
+    for _ in range(20):
+        tokens = torch.randint(0, 3, (tree.size,), generator=g)
+        predicted = torch.randint(0, 3, (tree.size,), generator=g)
+        assert (accept_on_device(tokens.cuda(), predicted.cuda(), tree).tolist()
+                == accept_on_device(tokens, predicted, tree).tolist())

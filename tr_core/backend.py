@@ -1,0 +1,118 @@
+"""The seam between the decoding loop and the model's arithmetic: what a decoding asks of a backend.
+
+    backend = make_backend(model, "auto")         # "native" on a CPU, "torch" on any other device
+    run = backend.start(prompt_len, max_new_tokens)
+    hidden = run.prefill(ids)                     # the prompt (but its root) into the run's cache; (p, d)
+    logits = run.verify(tokens, tree, past_len)   # one forward pass over a draft tree; (n, V)
+    run.keep(past_len, tree.size, path)           # the cache keeps the accepted path only
+
+Two implementations, each in its own room: ``speed.NativeBackend`` (this project's CPU kernels: the lean forward,
+the batch-invariant attention, the kernel plan chosen by measurement) and ``fixed.TorchBackend`` (stock torch
+operations at one shape for the whole run, on any device, captured as one CUDA graph a step on a GPU). Neither
+imports the decoding loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from .tree import TreeBuffers
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+BACKENDS = ("auto", "native", "torch")
+
+
+class Run(Protocol):
+    """One decoding's model state: a KV cache holding the sequence but its last token (the root)."""
+
+    max_nodes: int | None  # the most draft-tree nodes one pass takes (None: any)
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` (p,) into the cache, after what it holds; their final hidden states (p, d)."""
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer: hidden states (n, d) -> logits (n, V)."""
+
+    def verify(self, tokens: torch.Tensor, tree: TreeBuffers, past_len: int) -> torch.Tensor:
+        """One forward pass over a draft tree's ``tokens`` (n,) on ``past_len`` cached positions: its logits (n, V).
+        The tree's nodes enter the cache after the cached positions; ``keep`` then keeps the accepted ones."""
+
+    def keep(self, past_len: int, tree_size: int, path: torch.Tensor) -> None:
+        """After ``verify``: the cache keeps the nodes of the accepted ``path`` (a + 1,) at positions past_len ..."""
+
+    def room(self, past_len: int) -> tuple[int, str] | None:
+        """The deepest tree a pass may verify on ``past_len`` cached positions, and why (None: no limit)."""
+
+
+class Backend(Protocol):
+    name: str  # "native" or "torch"
+    device: torch.device
+
+    def start(self, prompt_len: int, max_new_tokens: int) -> Run:
+        """A run for a prompt of ``prompt_len`` tokens and up to ``max_new_tokens`` more."""
+
+    def describe(self) -> str:
+        """One sentence: the backend, the device and what it runs there."""
+
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """``"auto"`` (or None): the first CUDA device where torch sees one, else the CPU; ``"cpu"``, ``"cuda"``,
+    ``"cuda:N"`` or any torch device name as it is, checked here so that a bad one fails with one clear message.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if spec is None or spec == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {spec!r}: choose auto, cpu, cuda or cuda:N ({e})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r}: torch sees no CUDA device here (torch {torch.__version__}, "
+                             f"CUDA build {torch.version.cuda or 'none'}); use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def resolve_backend(spec: str | None, device: torch.device) -> str:
+    """``"auto"`` (or None): ``"native"`` on a CPU, ``"torch"`` on any other device; else the name, checked.
+
+    >>> resolve_backend("auto", torch.device("cpu")), resolve_backend("torch", torch.device("cpu"))
+    ('native', 'torch')
+    """
+    if spec is None or spec == "auto":
+        return "native" if device.type == "cpu" else "torch"
+    if spec not in ("native", "torch"):
+        raise ValueError(f"unknown backend {spec!r}: choose auto, native or torch")
+    if spec == "native" and device.type != "cpu":
+        raise ValueError(f"the native backend runs on the CPU only (its kernels are C for x86/ARM cores); "
+                         f"device {device} needs --backend torch (or auto)")
+    return spec
+
+
+def torch_dtype(mode: str) -> torch.dtype:
+    """The dtype the torch backend runs a mode in: fp32 (exact) or bf16 (fast), the same on every device.
+
+    >>> torch_dtype("fast")
+    torch.bfloat16
+    """
+    if mode not in ("exact", "fast"):
+        raise ValueError(f"unknown mode {mode!r}; choose exact or fast")
+    return torch.float32 if mode == "exact" else torch.bfloat16
+
+
+def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = None) -> Backend:
+    """The backend ``kind`` (``resolve_backend``) for ``model`` on its device. ``rows``: the torch backend's query
+    rows a pass (every pass of its runs has that many; None: ``fixed.default_rows``)."""
+    name = resolve_backend(kind, model.device)
+    if name == "native":
+        from .speed.backend import NativeBackend
+        return NativeBackend(model)
+    from .fixed import TorchBackend
+    return TorchBackend(model, rows)

@@ -1,0 +1,105 @@
+"""t(N) for the torch backend, measured where it runs: a pass of R rows (R = N rounded up to ``TILE``; for N = 1,
+plain decoding unpadded, the baseline a tree must beat) on top of a
+``prefix``-token cache, the output layer and the choice over the vocabulary included, as the decoding loop times a
+step (``forward_ms``). Cached per machine: the device's name, the model's shape and dtype, torch's version.
+
+Every pass of a run has the same rows, so a run's steps all cost t(R) whatever tree they verify: the chooser
+(``fitting.fit_tree``) fits a size N on this curve and the engine runs with R = N rounded up (``Engine.rows``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from ..models import default_cache_dir, file_name
+from ..topk import greedy_and_top_k
+from ..tree import build_tree, chain_tree, load_template
+from .backend import TILE, TorchBackend, round_up
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 81, 96, 128)  # draft-tree sizes t(N) is measured for (nodes)
+CPU_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # on a CPU, where a pass's cost grows fast with its rows
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from ..speed import cpu_name
+    return cpu_name()
+
+
+def _code() -> str:
+    """A digest of the code a pass runs and this measurement (a change measures anew)."""
+    from . import backend, graph, rows
+    digest = hashlib.sha256()
+    for module in (backend, graph, rows, sys.modules[__name__]):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def machine_key(model: PreTrainedModel, prefix: int) -> str:
+    config = model.config
+    shape = "x".join(str(getattr(config, k, "")) for k in ("num_hidden_layers", "hidden_size", "vocab_size"))
+    dtype = str(model.dtype).removeprefix("torch.")
+    return file_name(f"torch-{device_name(model.device)}-{shape}-{dtype}-torch{torch.__version__}"
+                     f"-t{torch.get_num_threads()}-p{prefix}-{_code()}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_rows(model: PreTrainedModel, rows: int, n: int, prefix: int, repeats: int = 5) -> float:
+    """Median ms of a step verifying ``n`` nodes (the paper tree's first n) on a run of ``rows`` rows."""
+    backend = TorchBackend(model, rows)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    run = backend.start(prefix + 1, 1)
+    run.prefill(torch.randint(0, vocab, (prefix,), generator=g).to(model.device))
+    paper = load_template("paper")
+    tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else chain_tree(0)
+    tokens = torch.randint(0, vocab, (n,), generator=g).to(model.device)
+    times = []
+    for i in range(repeats + 2):  # two uncounted: the capture (on CUDA) and a warm pass
+        _sync(model.device)
+        t0 = time.perf_counter()
+        logits = run.verify(tokens, tree, prefix)
+        greedy_and_top_k(logits, 8 if n > 1 else 0)
+        _sync(model.device)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def rows_curve(model: PreTrainedModel, prefix: int = 256, sizes: Sequence[int] | None = None,
+               repeats: int = 5, use_cache_file: bool = True) -> dict[int, float]:
+    """t(N) (ms) for the torch backend on ``model``'s device: N nodes on a pass of round_up(N, TILE) rows, made
+    non-decreasing in N. Cached per machine (``machine_key``)."""
+    if sizes is None:
+        sizes = CPU_SIZES if model.device.type == "cpu" else SIZES
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        prefix = max(1, min(prefix, max_pos - round_up(max(sizes), TILE) - 2))
+    path = default_cache_dir() / "calibration" / f"{machine_key(model, prefix)}.json"
+    if use_cache_file and path.is_file():
+        cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
+        if all(n in cached for n in sizes):
+            return {n: cached[n] for n in sizes}
+    curve, running = {}, 0.0
+    for n in sorted(sizes):
+        rows = 1 if n == 1 else round_up(n, TILE)  # plain decoding's baseline: one row, unpadded
+        running = max(running, time_rows(model, rows, n, prefix, repeats))  # a dip is noise
+        curve[n] = running
+    if use_cache_file:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(curve, indent=1))
+    return curve
