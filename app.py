@@ -44,6 +44,7 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
+from ui.gpu import live_seconds, on_gpu, race_seconds  # noqa: E402  (first: ZeroGPU's spaces before torch)
 from ui.gradio_fix import (  # noqa: E402
     CopiedAsItself,
     drop_copies,
@@ -210,6 +211,7 @@ class Handlers:
             forget_session(self.page, session.session_hash)
 
     @user_errors
+    @on_gpu(live_seconds)
     def live(self, session: Session, request: gr.Request = None, **values):
         """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
         answer at most every ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive
@@ -297,6 +299,7 @@ class Handlers:
                     projection_chart=placeholder(PROJECTION_PLACEHOLDER))
 
     @user_errors
+    @on_gpu(race_seconds)
     def race(self, session: Session, request: gr.Request = None, **values):
         """Measure plain decoding and the picked methods in rounds, each run alone on the CPU; the verdict, the
         table and the race's summary (JSON) come out here, the side-by-side replay follows in ``replay`` (which

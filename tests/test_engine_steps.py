@@ -175,7 +175,7 @@ def test_the_auto_tree_adapts_and_the_engine_keeps_its_budget(monkeypatch, tmp_p
                                                      "acceptance": acc}))
     curve = {1: 10.0, 4: 11.0, 8: 14.0, 16: 24.0, 81: 120.0}
 
-    def auto_tree(model, size=None, context=None):
+    def auto_tree(model, size=None, context=None, **given):
         return fit_tree(paper, acc, curve, name="auto" if size is None else f"auto-{size}", size=size)
 
     monkeypatch.setattr(engine_module, "has_acceptance_stats", lambda model: True)

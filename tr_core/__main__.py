@@ -15,10 +15,11 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from . import trace_file
+from .backend import BACKENDS, device_name
 from .engine import METHODS, Engine, EngineConfig
 from .models import ModelLoadError
 from .sampling import Sampling
-from .speed import MODES, cpu_name, mode_dtype
+from .speed import MODES, mode_dtype
 from .stats import SPEEDUP_DEFINITION, speedup
 from .tree import TreeTemplateError
 
@@ -26,12 +27,14 @@ from .tree import TreeTemplateError
 def trace_meta(args, engine: Engine, result, plain, sampling: Sampling) -> dict:
     """What a reader of the trace elsewhere needs: where and how it ran, and the speeds measured here."""
     model = engine.model
-    device = (torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_name())
     rates = result.rates
-    meta = {"machine": device, "threads": torch.get_num_threads(),
+    meta = {"machine": device_name(model.device), "device": str(model.device), "backend": engine.backend_name,
+            "backend_note": engine.backend.describe(), "threads": torch.get_num_threads(),
             "model": args.model or "embedded SmolLM2-135M-Instruct",
             "method": args.method, "tree": engine.tree.name if args.method != "plain" else None, "mode": args.mode,
-            "format": mode_dtype(args.mode, model)[1], "sampling": sampling.describe(), "prompt": args.prompt,
+            "format": (mode_dtype(args.mode, model)[1] if engine.backend_name == "native"
+                       else f"{args.mode}: {str(model.dtype).removeprefix('torch.')} (torch backend)"),
+            "sampling": sampling.describe(), "prompt": args.prompt,
             "tokens": len(result.token_ids), "steps": result.steps, "tokens_per_s": round(rates.tokens_per_s, 3),
             "tokens_per_forward_pass": round(rates.mean_accepted_tokens, 4),
             "special_tokens": list(engine.tokenizer.all_special_tokens),
@@ -61,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="seed the matrix from the prompt's prefill logits (default: on)")
     p.add_argument("--mode", choices=MODES, default="exact",
                    help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
+    p.add_argument("--device", default="auto", help="auto (CUDA where torch sees one, else the CPU), cpu, cuda, cuda:N")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="native: this project's CPU kernels; torch: fixed shapes on any device (one CUDA graph a step "
+                        "on a GPU); auto: native on a CPU, torch elsewhere")
+    p.add_argument("--rows", type=int, default=None,
+                   help="torch backend: query rows of every pass (default: 128 on a GPU, the tree's size on a CPU)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; above 0: sample, with every method's output equal to plain sampling's "
                         "for the same --seed")
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"max_new_tokens must be at least 1, got {args.max_new_tokens}")
         sampling = Sampling(args.temperature, args.top_p, args.sample_top_k, args.seed)
         config = EngineConfig(method=args.method, tree=args.tree, top_k=args.top_k, seed_from_prompt=args.seed_prompt,
-                              mode=args.mode)
+                              mode=args.mode, device=args.device, backend=args.backend, rows=args.rows)
         engine = Engine.load(args.model, config)
         if args.matrix == "shipped":
             engine = engine.with_config(matrix_path=engine.shipped_matrix_path())

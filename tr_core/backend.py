@@ -80,6 +80,14 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     return device
 
 
+def device_name(device: torch.device) -> str:
+    """The machine a device is, in words: the GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from .speed import cpu_name
+    return cpu_name()
+
+
 def resolve_backend(spec: str | None, device: torch.device) -> str:
     """``"auto"`` (or None): ``"native"`` on a CPU, ``"torch"`` on any other device; else the name, checked.
 

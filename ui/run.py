@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from tr_core import trace_file
+from tr_core.backend import device_name
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.fitting import auto_tree, has_acceptance_stats
@@ -97,7 +98,10 @@ def fitted_tree(engine: Engine):
     tree the run drafts with; ``None`` for a model without statistics."""
     if engine.fitted is not None:
         return engine.fitted
-    return auto_tree(engine.model, context=engine.config.fit_context) if has_acceptance_stats(engine.model) else None
+    if not has_acceptance_stats(engine.model):
+        return None
+    curve = engine.step_curve() if engine.backend_name == "torch" else None  # the native t(N): its own cache
+    return auto_tree(engine.model, context=engine.config.fit_context, curve=curve)
 
 
 def against_best(size: int, fitted) -> str:
@@ -183,8 +187,8 @@ class _ModelRun(Stoppable):
         self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
-        self.about_setup = (f"{s.sampling.describe()}; mode {mode_dtype(s.mode, engine.model)[1]}; "
-                            f"{draft_note(engine, s.method, tree)}")
+        self.about_setup = (f"{s.sampling.describe()}; mode {mode_note(engine, s.mode)}; "
+                            f"{draft_note(engine, s.method, tree)}; {where(engine)}")
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
         """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
@@ -263,6 +267,23 @@ class PlainAlongside:
         if final:
             same = [t for e in self.events for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
         return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, same, final)
+
+
+def mode_note(engine: Engine, mode: str) -> str:
+    """The mode in words: what the native kernels chose here, or the torch backend's dtype."""
+    if engine.backend_name == "native":
+        return mode_dtype(mode, engine.model)[1]
+    return f"{mode}: {str(engine.model.dtype).removeprefix('torch.')}"
+
+
+def where(engine: Engine) -> str:
+    """Where the run decodes, in words: "runs on the CPU (AMD EPYC ...)" or "runs on NVIDIA H200 (cuda:0), ..."."""
+    device = engine.model.device
+    name = device_name(device)
+    if device.type == "cpu":
+        return f"runs on the CPU ({name}{', torch backend' if engine.backend_name == 'torch' else ''})"
+    graphs = ", one captured CUDA graph a step" if getattr(engine.backend, "capture", False) else ""
+    return f"runs on {name} ({device}{graphs})"
 
 
 class LiveRun(_ModelRun):

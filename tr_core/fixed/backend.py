@@ -28,7 +28,9 @@ SLOT_TILE = 64  # key slots are a multiple of this
 
 
 def round_up(n: int, tile: int) -> int:
-    """>>> round_up(81, 8), round_up(8, 8)
+    """``n`` rounded up to a multiple of ``tile``.
+
+    >>> round_up(81, 8), round_up(8, 8)
     (88, 8)
     """
     return -(-n // tile) * tile

@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..backend import device_name
 from ..models import default_cache_dir, file_name
 from ..topk import greedy_and_top_k
 from ..tree import build_tree, chain_tree, load_template
@@ -26,13 +27,6 @@ from .backend import TILE, TorchBackend, round_up
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 81, 96, 128)  # draft-tree sizes t(N) is measured for (nodes)
 CPU_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # on a CPU, where a pass's cost grows fast with its rows
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    from ..speed import cpu_name
-    return cpu_name()
 
 
 def _code() -> str:

@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from ..backend import BACKENDS, device_name
 from ..decoding import DecodeResult
 from ..engine import Engine, EngineConfig
 from ..methods import METHODS
@@ -71,6 +72,7 @@ from .results import (
     through_run_sizes,
 )
 
+UNPADDED = "plain-unpadded"  # the torch backend's plain decoding at one row a pass (a speed baseline, not a method)
 ALL_METHODS = ("plain", "pld", "suffix", "rest", "lookahead", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic",
                "tr-plus")
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
@@ -110,6 +112,24 @@ def _sized(name: str) -> bool:
     return name.startswith("tr-") and name[3:].isdigit()
 
 
+def step_curve(engine: Engine, context, remeasure: bool = False, use_cache_file: bool = True,
+               sizes=None) -> dict[int, float]:
+    """t(N) of the engine's backend, measured now (``remeasure``) or read from the machine's cache: the native
+    backend's ``calibrate.context_curve``, the torch backend's ``fixed.timing.rows_curve``."""
+    if engine.backend_name == "torch":
+        from ..fixed.timing import rows_curve
+        prefix = context if isinstance(context, int) else round(statistics.mean(context))
+        return rows_curve(engine.model, prefix, sizes=sizes, use_cache_file=use_cache_file and not remeasure)
+    extra = {} if sizes is None else {"sizes": sizes}
+    return context_curve(engine.model, context, remeasure=remeasure, use_cache_file=use_cache_file, **extra)
+
+
+def mode_note(engine: Engine, mode: str) -> str:
+    if engine.backend_name == "torch":
+        return f"{mode}: {str(engine.model.dtype).removeprefix('torch.')} (torch backend)"
+    return mode_dtype(mode, engine.model)[1]
+
+
 def build_runners(base: Engine, methods: list[str], hot: Path | None,
                   sampling: Sampling | None = None) -> list[MethodRunner]:
     runners = _runners(base, methods, hot)
@@ -124,6 +144,9 @@ def _runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodR
     for name in methods:
         if name == "plain":
             runners.append(MethodRunner(name, base.with_config(method="plain", tree="tiny"), "plain"))
+            if base.backend_name == "torch" and base.rows != 1:  # plain decoding unpadded: one row a pass
+                runners.append(MethodRunner(UNPADDED, base.with_config(method="plain", tree="tiny", rows=1),
+                                            "plain"))
         elif name == "pld":
             runners.append(MethodRunner(name, base.with_config(method="pld", tree="tiny"), "pld"))
         elif name == "tr":
@@ -223,6 +246,12 @@ def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentPars
                         "tree sizes)")
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
+    p.add_argument("--device", default="auto", help="auto (CUDA where torch sees one), cpu, cuda or cuda:N")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="native (this project's CPU kernels), torch (fixed shapes, any device); auto: native on a "
+                        "CPU, torch elsewhere")
+    p.add_argument("--rows", type=int, default=None,
+                   help="torch backend: query rows of every pass (default: 128 on a GPU, the tree's size on a CPU)")
     p.add_argument("--fit-context", type=int, default=None,
                    help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
                         "over the questions' contexts, each its prompt plus half the new tokens)")
@@ -283,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
 
     questions = stratified(load_questions(args.questions), args.per_category)
-    base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode))
+    try:
+        base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode, device=args.device,
+                                                    backend=args.backend, rows=args.rows))
+    except ValueError as e:
+        p.error(str(e))
     prompts = [encode_prompt(base.tokenizer, q.prompt) for q in questions]
     # the tree is fitted for the contexts these questions decode over: a typical step of each sees its prompt and
     # about half of its answer, and t(N) is averaged over them (a step's cost is not linear in its context)
@@ -292,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
     # t(N) measured anew now, before the engines fit their trees on it: a calibration cached hours ago, on a shared
     # machine, is no prediction for this run (it is measured again after the run, to show how far the machine moved)
-    curve = context_curve(base.model, fit_context, remeasure=True)
+    curve = step_curve(base, fit_context, remeasure=True)
     runners = build_runners(base, methods, hot, samplings[0])
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    print(f"mode {mode_dtype(args.mode, base.model)[1]}; "
+    print(f"mode {mode_note(base, args.mode)}; {base.backend.describe()}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
@@ -332,22 +365,29 @@ def main(argv: list[str] | None = None) -> int:
             for r in these:
                 r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
             if i == 0 and args.recalibrate_every and (qi + 1) % args.recalibrate_every == 0 and qi + 1 < len(prompts):
-                through.append(context_curve(base.model, fit_context, use_cache_file=False, sizes=sizes))
+                through.append(step_curve(base, fit_context, use_cache_file=False, sizes=sizes))
         if sampling is not None:
             by_temperature[f"{sampling.temperature:g}"] = {"sampling": sampling.describe(),
                                                            "methods": temperature_summary(these)}
     bar.close()
-    curve_after = context_curve(base.model, fit_context, use_cache_file=False)
+    curve_after = step_curve(base, fit_context, use_cache_file=False)
     through.append({n: interpolate(curve_after, n) for n in sizes})
     curve_through = {n: statistics.mean(c[n] for c in through) for n in sizes}
 
+    # on the torch backend, plain decoding also ran unpadded (one row a pass): the faster of the two is the baseline
+    unpadded = next((r for r in runners if r.name == UNPADDED), None)
+    if unpadded is not None and (statistics.median(x.tokens / x.seconds for x in unpadded.records)
+                                 > statistics.median(x.tokens / x.seconds for x in plain_runner.records)):
+        plain_runner = unpadded
     plain_tps = {r.question_id: r.tokens / r.seconds for r in plain_runner.records}
     categories = list(dict.fromkeys(q.category for q in questions))
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype),
-        "mode_note": mode_dtype(args.mode, base.model)[1],
+        "mode_note": mode_note(base, args.mode),
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
+        "device": str(base.model.device), "machine": device_name(base.model.device), "backend": base.backend_name,
+        "backend_note": base.backend.describe(), "rows": base.rows,
         "arguments": list(sys.argv[1:] if argv is None else argv),
         "sampling": (samplings[0] or Sampling()).describe(),
         "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
@@ -367,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
                        "before the question, and the first round's matrix is carried on; a method's time on a "
                        "question is its median round (of an even count, the faster middle one)",
         "speedup_definition": SPEEDUP_DEFINITION,
+        "speed_baseline": plain_runner.name,
+        "speed_baseline_note": None if unpadded is None else (
+            f"plain decoding ran padded to {base.rows} rows a pass (the reference every method's tokens are compared "
+            f"with) and unpadded ({UNPADDED}); the faster, {plain_runner.name}, is the speed baseline; their tokens "
+            + ("agree on every question" if all(x.identical for x in unpadded.records) else
+               f"differ on {sum(not x.identical for x in unpadded.records)} question(s)")),
         "speedup_median_note": "speedup_median: the median over questions of a method's speedup (speedup_definition) "
                                "on each question; speedup_ci95: its percentile-bootstrap interval over questions; "
                                "verdict: faster / slower only where the interval excludes 1",
