@@ -33,6 +33,7 @@ def test_json_output_for_every_method(tiny_folder, tmp_path):
         assert {"text", "token_ids", "steps", "mean_accepted_tokens", "tokens_per_s"} <= set(out)
         recorded = json.loads(trace.read_text())
         assert len(recorded["events"]) == out["steps"] and recorded["meta"]["tokens"] == len(out["token_ids"])
+        assert (recorded["meta"]["device"], recorded["meta"]["backend"]) == ("cpu", "native")  # --device auto here
         if method != "plain":  # plain decoding measured beside the run, to the same length, on the same machine
             assert recorded["meta"]["identical_to_plain"] is True and recorded["meta"]["plain_tokens_per_s"] > 0
         outputs[method] = out["token_ids"]
@@ -56,6 +57,7 @@ def test_text_output_reports_the_figures(tiny_folder):
     (["--tree", "no-such-tree"], "unknown tree template"),
     (["--tree", "paper", "--top-k", "4"], "needs top_k >= 8"),  # the paper tree uses ranks up to 7
     (["--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
+    (["--device", "quantum"], "unknown device 'quantum'"),
 ])
 def test_bad_input_gives_one_clear_error(tiny_folder, args, message, capsys):
     folder, _, _ = tiny_folder
