@@ -15,11 +15,11 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from . import trace_file
-from .backend import BACKENDS, device_name
+from .backend import add_device_arguments, device_name
 from .engine import METHODS, Engine, EngineConfig
 from .models import ModelLoadError
 from .sampling import Sampling
-from .speed import MODES, mode_dtype
+from .speed import MODES
 from .stats import SPEEDUP_DEFINITION, speedup
 from .tree import TreeTemplateError
 
@@ -32,8 +32,7 @@ def trace_meta(args, engine: Engine, result, plain, sampling: Sampling) -> dict:
             "backend_note": engine.backend.describe(), "threads": torch.get_num_threads(),
             "model": args.model or "embedded SmolLM2-135M-Instruct",
             "method": args.method, "tree": engine.tree.name if args.method != "plain" else None, "mode": args.mode,
-            "format": (mode_dtype(args.mode, model)[1] if engine.backend_name == "native"
-                       else f"{args.mode}: {str(model.dtype).removeprefix('torch.')} (torch backend)"),
+            "format": engine.mode_note(),
             "sampling": sampling.describe(), "prompt": args.prompt,
             "tokens": len(result.token_ids), "steps": result.steps, "tokens_per_s": round(rates.tokens_per_s, 3),
             "tokens_per_forward_pass": round(rates.mean_accepted_tokens, 4),
@@ -64,12 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seed the matrix from the prompt's prefill logits (default: on)")
     p.add_argument("--mode", choices=MODES, default="exact",
                    help="exact (fp32) or fast (fp16 weights, fp32 arithmetic)")
-    p.add_argument("--device", default="auto", help="auto (CUDA where torch sees one, else the CPU), cpu, cuda, cuda:N")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="native: this project's CPU kernels; torch: fixed shapes on any device (one CUDA graph a step "
-                        "on a GPU); auto: native on a CPU, torch elsewhere")
-    p.add_argument("--rows", type=int, default=None,
-                   help="torch backend: query rows of every pass (default: 128 on a GPU, the tree's size on a CPU)")
+    add_device_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy; above 0: sample, with every method's output equal to plain sampling's "
                         "for the same --seed")

@@ -58,6 +58,18 @@ class Backend(Protocol):
         """One sentence: the backend, the device and what it runs there."""
 
 
+def add_device_arguments(parser) -> None:
+    """``--device``, ``--backend`` and ``--rows``, as the command line and the benchmark take them."""
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA where torch sees one, else the CPU), cpu, cuda or cuda:N")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="native: this project's CPU kernels; torch: fixed shapes on any device (one CUDA graph "
+                             "a step on a GPU); auto: native on a CPU, torch elsewhere")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="torch backend: query rows of every pass (default: the size of the tree the chooser "
+                             "fits on the backend's t(N) measured there, rounded up to 8)")
+
+
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """``"auto"`` (or None): the first CUDA device where torch sees one, else the CPU; ``"cpu"``, ``"cuda"``,
     ``"cuda:N"`` or any torch device name as it is, checked here so that a bad one fails with one clear message.

@@ -172,6 +172,12 @@ class Engine:
         prefix = context if isinstance(context, int) else round(sum(context) / len(context))
         return rows_curve(self.model, prefix)
 
+    def mode_note(self) -> str:
+        """The mode in words: what the native kernels chose for it here, or the torch backend's dtype."""
+        if self.backend_name == "native":
+            return mode_dtype(self.config.mode, self.model)[1]
+        return f"{self.config.mode}: {str(self.model.dtype).removeprefix('torch.')} (torch backend)"
+
     def step_curve(self) -> dict[int, float]:
         """t(N) (ms) of this engine's backend on this machine, on the config's ``fit_context``."""
         curve = self._torch_curve()

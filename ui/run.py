@@ -31,7 +31,6 @@ from tr_core.fitting import auto_tree, has_acceptance_stats
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
 from tr_core.speed import machine_profile
-from tr_core.speed.kernels import mode_dtype
 from tr_core.stats import collector_paused
 from tr_core.tree import load_template
 from visualize.trace import token_text_map
@@ -187,7 +186,7 @@ class _ModelRun(Stoppable):
         self.ids, self.about_prompt = prompt_ids(engine.tokenizer, s.prompt, s.max_new_tokens, engine.context_length)
         self.engine, self.start = engine.with_matrix(self.matrix), self.session.matrix_start(s.hot_start)
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
-        self.about_setup = (f"{s.sampling.describe()}; mode {mode_note(engine, s.mode)}; "
+        self.about_setup = (f"{s.sampling.describe()}; mode {engine.mode_note()}; "
                             f"{draft_note(engine, s.method, tree)}; {where(engine)}")
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
@@ -267,13 +266,6 @@ class PlainAlongside:
         if final:
             same = [t for e in self.events for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
         return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, same, final)
-
-
-def mode_note(engine: Engine, mode: str) -> str:
-    """The mode in words: what the native kernels chose here, or the torch backend's dtype."""
-    if engine.backend_name == "native":
-        return mode_dtype(mode, engine.model)[1]
-    return f"{mode}: {str(engine.model.dtype).removeprefix('torch.')}"
 
 
 def where(engine: Engine) -> str:

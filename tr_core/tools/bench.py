@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from ..backend import BACKENDS, device_name
+from ..backend import add_device_arguments, device_name
 from ..decoding import DecodeResult
 from ..engine import Engine, EngineConfig
 from ..methods import METHODS
@@ -55,7 +55,6 @@ from ..models import encode_prompt
 from ..sampling import Sampling
 from ..spec_bench import Question, load_questions, stratified
 from ..speed.calibrate import context_curve, context_weights, describe_context, interpolate
-from ..speed.kernels import mode_dtype
 from ..speed.layouts import cpu_name
 from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, SPEEDUP_DEFINITION, collector_paused, compare, median_round
 from ..stats import first_difference as first_difference_at
@@ -122,12 +121,6 @@ def step_curve(engine: Engine, context, remeasure: bool = False, use_cache_file:
         return rows_curve(engine.model, prefix, sizes=sizes, use_cache_file=use_cache_file and not remeasure)
     extra = {} if sizes is None else {"sizes": sizes}
     return context_curve(engine.model, context, remeasure=remeasure, use_cache_file=use_cache_file, **extra)
-
-
-def mode_note(engine: Engine, mode: str) -> str:
-    if engine.backend_name == "torch":
-        return f"{mode}: {str(engine.model.dtype).removeprefix('torch.')} (torch backend)"
-    return mode_dtype(mode, engine.model)[1]
 
 
 def build_runners(base: Engine, methods: list[str], hot: Path | None,
@@ -246,12 +239,7 @@ def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentPars
                         "tree sizes)")
     p.add_argument("--model", default=None)
     p.add_argument("--mode", choices=("exact", "fast"), default="exact")
-    p.add_argument("--device", default="auto", help="auto (CUDA where torch sees one), cpu, cuda or cuda:N")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="native (this project's CPU kernels), torch (fixed shapes, any device); auto: native on a "
-                        "CPU, torch elsewhere")
-    p.add_argument("--rows", type=int, default=None,
-                   help="torch backend: query rows of every pass (default: 128 on a GPU, the tree's size on a CPU)")
+    add_device_arguments(p)
     p.add_argument("--fit-context", type=int, default=None,
                    help="the context length (tokens) the auto tree's t(N) is calibrated on (default: t(N) averaged "
                         "over the questions' contexts, each its prompt plus half the new tokens)")
@@ -328,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     curve = step_curve(base, fit_context, remeasure=True)
     runners = build_runners(base, methods, hot, samplings[0])
     fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    print(f"mode {mode_note(base, args.mode)}; {base.backend.describe()}; "
+    print(f"mode {base.mode_note()}; {base.backend.describe()}; "
           f"torch threads {torch.get_num_threads()}")
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
@@ -384,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"methods": {}, "config": {
         "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
         "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype),
-        "mode_note": mode_note(base, args.mode),
+        "mode_note": base.mode_note(),
         "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
         "device": str(base.model.device), "machine": device_name(base.model.device), "backend": base.backend_name,
         "backend_note": base.backend.describe(), "rows": base.rows,
