@@ -20,6 +20,9 @@ from contextlib import contextmanager
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
+from ui.gpu import live_seconds, on_gpu, race_seconds  # noqa: E402  (first: ZeroGPU asks for spaces before torch)
+
+# isort: split
 import gradio as gr  # noqa: E402
 
 from tr_core.events import Rates  # noqa: E402
@@ -44,7 +47,6 @@ from ui.frames import (  # noqa: E402
     step_slider,
     step_view,
 )
-from ui.gpu import live_seconds, on_gpu, race_seconds  # noqa: E402  (first: ZeroGPU's spaces before torch)
 from ui.gradio_fix import (  # noqa: E402
     CopiedAsItself,
     drop_copies,

@@ -47,3 +47,17 @@ def test_a_run_says_it_decodes_on_the_cpu_when_no_cuda_is_seen(monkeypatch):
     assert where(engine).startswith("runs on the CPU (")
     engine.backend_name = "torch"
     assert where(engine).endswith(", torch backend)")
+
+
+def test_the_app_imports_spaces_before_torch():
+    """ZeroGPU's ``spaces`` must come in before torch: ``app.py`` imports ``ui.gpu`` first (a fresh interpreter
+    records the order in which the top-level packages were first imported)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, builtins\norder = []\nreal = builtins.__import__\n"
+             "def imp(name, *a, **k):\n    top = name.split('.')[0]\n"
+             "    if top in ('spaces', 'torch') and top not in order: order.append(top)\n"
+             "    return real(name, *a, **k)\nbuiltins.__import__ = imp\nimport app\nprint(','.join(order))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1].startswith("spaces,torch"), out.stdout[-300:]
