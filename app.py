@@ -102,10 +102,11 @@ QUEUE_MAX_SIZE = 32
 # Sessions whose state (adjacency matrix, latest run, race) the server keeps, least recently used dropped first: a
 # dropped user's next run starts again from the shipped hot start. The embedded model's matrix alone is 1.5 MB.
 SESSIONS_KEPT = 500
-# While decoding, the answer updates at most every TEXT_EVERY_S (steps in between arrive together) and the figures every
-# FIGURE_EVERY_S: a browser on a small CPU that draws more often falls behind the stream.
-TEXT_EVERY_S = 0.1
-FIGURE_EVERY_S = 0.75
+# While decoding, the page updates at most every FRAME_EVERY_S (steps in between are not drawn: frames are dropped,
+# never queued), the answer, the counters and the figures of one step together, so the tree shown is the counters'
+# step. After each frame the run waits, untimed, for the machine's other processes (a browser drawing the page on this
+# machine) to be quiet again (ui.quiet) before it times its next step.
+FRAME_EVERY_S = 0.25
 REPLAY_FRAME_S = 0.1
 PLAY_EVERY_S = 0.8
 DEFAULT_PROMPT = "Explain how a bicycle works, in a few sentences."
@@ -216,9 +217,9 @@ class Handlers:
     @on_gpu(live_seconds)
     def live(self, session: Session, request: gr.Request = None, **values):
         """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
-        answer at most every ``TEXT_EVERY_S`` and the figures every ``FIGURE_EVERY_S`` (steps in between arrive
-        together), with plain decoding measured alongside for the speedup (``ui.run.PlainAlongside``), and the run's
-        summary (JSON)."""
+        answer, the counters and the figures of the latest step at most every ``FRAME_EVERY_S`` (the steps in between
+        are not drawn), with plain decoding measured alongside for the speedup (``ui.run.PlainAlongside``), and the
+        run's summary (JSON). After each frame the run waits, untimed, until the machine is quiet (``ui.quiet``)."""
         yield from _shown_errors(self._live(values, session, request), lambda message: dict(
             notice_html=notice_html(message), counters_html=counters_html(Rates(), "not run: see the message")))
 
@@ -228,12 +229,15 @@ class Handlers:
             Rates(), "loading the model (once per process and mode)…" if run.needs_loading else "setting up…"))
         run.prepare()
         yield dict(answer_html=answer_html([], placeholder="prefill: reading the prompt…"),
-                   counters_html=counters_html(Rates(), "running", run.note))
-        text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
+                   counters_html=counters_html(Rates(), "running", run.note),
+                   budget_chart=placeholder(BUDGET_PLACEHOLDER))
+        due = Every(FRAME_EVERY_S)
         with self._stoppable(request, run):
             for snap in run.snapshots():
-                if snap.done or text_due():
-                    yield live_frame(snap, run, snap.done or figures_due(), session)
+                if snap.done or due():
+                    yield live_frame(snap, run, True, session)
+                    run.settle()  # the frame is on its way: the next step is timed once the machine is quiet
+                    due.restart()  # the next frame after FRAME_EVERY_S of decoding, not of waiting
 
     @user_errors
     def replay_trace(self, trace_file, session: Session, request: gr.Request = None):
@@ -247,11 +251,11 @@ class Handlers:
             raise InputError("Pick a trace file first: the JSON file that `python -m tr_core --trace FILE` writes.")
         replay = TraceReplay(session, path)
         yield dict(notice_html="", run_summary=None, counters_html=counters_html(Rates(), "replaying", replay.note))
-        text_due, figures_due = Every(TEXT_EVERY_S), Every(FIGURE_EVERY_S)
+        due = Every(FRAME_EVERY_S)
         with self._stoppable(request, replay):
             for snap in replay.snapshots():
-                if snap.done or text_due():
-                    yield live_frame(snap, replay, snap.done or figures_due(), session)
+                if snap.done or due():
+                    yield live_frame(snap, replay, True, session)
 
     @staticmethod
     def after_live(session: Session) -> dict:
@@ -319,6 +323,7 @@ class Handlers:
         with self._stoppable(request, race):
             for progress in race.progress():
                 yield race_frame(progress, race, session)
+                race.settle()  # the next method is timed once the page has drawn this frame
 
     @user_errors
     def replay(self, session: Session, request: gr.Request):

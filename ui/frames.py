@@ -20,6 +20,7 @@ from .render import (
     counters_html,
     finished_status,
     history_html,
+    in_words,
     lanes_html,
     method_label,
     notice_html,
@@ -70,11 +71,13 @@ def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) ->
     status = (finished_status(last, snap.stopped) if snap.done else
               "running, with plain decoding measured alongside" if snap.baseline else "running")
     values = dict(answer_html=answer_html(snap.events, hidden=run.hidden), session=session,
-                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline))
+                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline, in_words(snap.events)))
     if (figures or snap.done) and last:
         values.update(draft_tree=tree_figure(last, run.token_text, compact=session.narrow),
-                      matrix_rows=matrix_figure(last, run.token_text, compact=session.narrow),
-                      budget_chart=budget_view(last))
+                      matrix_rows=matrix_figure(last, run.token_text, compact=session.narrow))
+        # a run without a tree budget shows its placeholder (set as the run starts): not drawn again every frame
+        if last.budget is not None or snap.done:
+            values.update(budget_chart=budget_view(last))
     if snap.done:
         baseline_ms = snap.baseline.ms_per_token if snap.baseline else None
         values.update(history_html=history_html(session.history), run_summary=run.record.summary,

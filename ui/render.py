@@ -81,11 +81,36 @@ ANSWER_LEGEND = ('<div class="tr-legend"><span class="tr-draft">accepted draft t
                  "unmarked text came one token per decoding step. Hover a step for its count.</div>")
 
 
-def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline | None = None) -> str:
+def in_words(events: Sequence[StepEvent]) -> str:
+    """What the run's steps did, in a learner's words: how many guesses each step checked, how many it kept, so how
+    many tokens each step made.
+
+    >>> from types import SimpleNamespace as E
+    >>> in_words([E(tree_tokens=list(range(13)), total_tokens=7, total_steps=4)] * 4)[:80]
+    'each step checked 12 guesses, kept 0.75 of them on average, so each step made 1.75'
+    >>> in_words([E(tree_tokens=[5], total_tokens=3, total_steps=3)])
+    'each step made 1 token, as plain decoding does: there were no guesses to check'
+    """
+    if not events:
+        return ""
+    last = events[-1]
+    made = last.total_tokens / last.total_steps if last.total_steps else 0.0
+    guesses = sum(len(e.tree_tokens) - 1 for e in events) / len(events)
+    if guesses == 0:
+        return "each step made 1 token, as plain decoding does: there were no guesses to check"
+    shown = f"{guesses:.0f}" if abs(guesses - round(guesses)) < 0.05 else f"{guesses:.1f} on average"
+    return (f"each step checked {shown} guess{'es' * (shown != '1')}, kept {made - 1:.2f} of them on average, so "
+            f"each step made {made:.2f} tokens (the kept guesses plus the model's own next token)")
+
+
+def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline | None = None,
+                  words: str = "") -> str:
     """The live counters after a step: ``c`` counts the time spent inside the decoder, prefill included, not
     drawing the page. With a ``baseline``, plain decoding's speed on the same prompt and answer length and the
     speedup (``tr_core.stats.SPEEDUP_DEFINITION``, as the race and the benchmark compute it): one tokens/s figure
-    per method."""
+    per method. The status line says in ``words`` what the steps did (``in_words``); what the run was set up with
+    (``note``: the mode, the kernels, the tree's fit, the matrix) and how plain decoding was measured are folded
+    under "Details"."""
     stats = [("steps", str(c.steps), "decoding steps (forward passes)"),
              ("tokens", str(c.tokens), "tokens produced"),
              ("tokens_per_pass", f"{c.mean_accepted_tokens:.2f}", TOKENS_PER_PASS),
@@ -98,14 +123,16 @@ def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline
                    f"{so_far}")]
     tiles = "".join(f'<div class="tr-stat" data-key="{key}" data-value="{value.rstrip("×")}"><b>{value}</b>'
                     f"<span>{escape(name)}</span></div>" for key, value, name in stats)
-    about = ""
-    if baseline is not None and baseline.final:  # while the run goes on, the status line says how plain is measured
-        same = {True: " It gave the very same tokens.", False: " Its tokens DIFFER from this run's."}.get(
-            baseline.identical, "")
+    same, about = "", ""
+    if baseline is not None and baseline.final:  # while the run goes on, the details say how plain is measured
+        same = {True: "Plain decoding gave the very same tokens.",
+                False: "Plain decoding's tokens DIFFER from this run's."}.get(baseline.identical, "")
         about = (f'<div class="tr-baseline">Plain decoding: {escape(baseline.source)}; {baseline.ms_per_token:.1f} '
-                 f"ms per decoding step.{same} Speedup: {escape(SPEEDUP_DEFINITION)}.</div>")
-    line = " · ".join(escape(part) for part in (status, note) if part)
-    return f'<div class="tr-counters">{tiles}</div>{about}<div class="tr-status">{line}</div>'
+                 f"ms per decoding step. Speedup: {escape(SPEEDUP_DEFINITION)}.</div>")
+    line = " · ".join(escape(part) for part in (status, words, same) if part)
+    details = (f'<details class="tr-details"><summary>Details: how this run was set up and measured</summary>'
+               f'<div class="tr-note">{escape(note)}</div>{about}</details>' if note or about else "")
+    return f'<div class="tr-counters">{tiles}</div><div class="tr-status">{line}</div>{details}'
 
 
 def notice_html(text: str = "", kind: str = "error") -> str:

@@ -37,6 +37,7 @@ from visualize.trace import token_text_map
 
 from .inputs import InputError, prompt_ids
 from .models import ModelCache
+from .quiet import Quiet
 from .records import Baseline, RaceRun, median_run, ms_per_step
 from .render import method_label
 from .session import LiveRecord, RaceRecord, Session, shared_start
@@ -134,6 +135,10 @@ class Every:
     def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter):
         self.seconds, self.clock, self.last = seconds, clock, None
 
+    def restart(self) -> None:
+        """Count the next ``seconds`` from now (after a wait that should not count)."""
+        self.last = self.clock()
+
     def __call__(self) -> bool:
         now = self.clock()
         if self.last is not None and now - self.last < self.seconds:
@@ -170,6 +175,13 @@ class _ModelRun(Stoppable):
 
     def __init__(self, session: Session, models: ModelCache, settings: Settings):
         self.session, self.models, self.settings = session, models, settings
+        self.quiet: Quiet | None = None  # made by ``prepare``: the machine's background use of the CPU
+
+    def settle(self) -> None:
+        """A frame was sent: wait, untimed, until the machine's other processes (a browser drawing it on this
+        machine) are back to their use before the run (``ui.quiet``), so that no timed step pays for the drawing."""
+        if self.quiet is not None:
+            self.quiet.wait()
 
     @property
     def needs_loading(self) -> bool:
@@ -188,6 +200,7 @@ class _ModelRun(Stoppable):
         self.matrix_history = self.session.matrix_history(s.prompt.text, s.hot_start)
         self.about_setup = (f"{s.sampling.describe()}; mode {engine.mode_note()}; "
                             f"{draft_note(engine, s.method, tree)}; {where(engine)}")
+        self.quiet = Quiet()
 
     def _matrix(self, engine: Engine) -> tuple[AdjacencyMatrix, str]:
         """The matrix the run drafts from, and a line about it: the session's own (hot start), which it teaches."""
@@ -286,7 +299,9 @@ class LiveRun(_ModelRun):
     @property
     def note(self) -> str:
         """What the run drafts with: the prompt's cut, the mode, the tree, the matrix."""
-        return "; ".join(filter(None, [self.about_prompt, self.about_setup, f"adjacency matrix: {self.about_matrix}"]))
+        quiet = self.quiet.describe() if self.quiet else ""
+        return "; ".join(filter(None, [self.about_prompt, self.about_setup, f"adjacency matrix: {self.about_matrix}",
+                                       quiet]))
 
     def snapshots(self) -> Iterator[Snapshot]:
         """Decode, one snapshot per step (a finished run's last step comes as the final snapshot), with plain decoding

@@ -1,0 +1,125 @@
+"""Waiting for the machine to be quiet before a timed step: the browser that draws the page may share this machine.
+
+A page open on the machine that serves it (the app on a laptop) draws every frame the server streams, and on a
+small CPU that drawing kept about one core busy for the whole of a live run (Chromium, 2 vCPUs: 0.8-1.2 cores, in
+25 ms windows, against 0.0-0.4 with the page idle). Whatever step ran while the browser drew was billed for it, and
+within a live step that was Token Recycling's, which runs first after a frame: the page said 0.82-0.88x where the
+same run measured 1.0-1.1x through the API. So after each frame it sends, a run waits, untimed, until the other
+processes of this machine use no more CPU than they did before the run (``Quiet.wait``), then times its next step.
+Where the browser runs elsewhere (a Space, an API client) the first window already reads quiet.
+
+    quiet = Quiet()          # reads the machine's background (other processes' CPU) now
+    ...send a frame...
+    quiet.wait()             # returns once they are back to it, or after ``cap_s``
+
+The CPU figures come from ``psutil`` (the kernel's counters, every process but this one); where they cannot be read
+the wait returns at once and ``available`` says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - pinned in requirements.txt
+    psutil = None
+
+# A window's reading is other processes' CPU over the window in cores. The kernel counts in ticks of 10 ms a core, so
+# over 25 ms on 2 cores one tick more or less reads as 0.4 cores: "quiet" is the background plus half a core.
+WINDOW_S = 0.025
+ABOVE_BACKGROUND = 0.5
+CAP_S = 0.6  # the longest wait after one frame; a machine busy for longer is said so (``capped``)
+# A browser's drawing of a frame is many tasks with short gaps between them (one window in a busy stretch read 0.4
+# cores): quiet is this many windows in a row; the frame leaves as the wait starts, so the first windows may come
+# before the browser has begun
+QUIET_WINDOWS = 2
+# The background is the quietest of the last RECENT windows read, by every run of this process (about 5 s of waiting):
+# one run alone may start while the browser still draws the page's last frame, and read that as its background
+RECENT = 200
+_recent: deque = deque(maxlen=RECENT)
+
+
+def other_cpu_seconds() -> float | None:
+    """CPU seconds used so far by every process of this machine but this one (all cores), or ``None``."""
+    if psutil is None:
+        return None
+    try:
+        t, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    except Exception:  # no permission, a platform psutil does not cover
+        return None
+    busy = sum(getattr(t, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq"))
+    return busy - own.user - own.system
+
+
+class Quiet:
+    """Waits until the machine's other processes are back to their background use of the CPU.
+
+    ``others`` reads their CPU seconds so far (``other_cpu_seconds``), ``clock`` and ``sleep`` the time: a test
+    passes stubs, and its own ``recent`` readings (by default the process's, shared by every run: ``RECENT``).
+
+    >>> now = [0.0]
+    >>> def sleep(s): now[0] += s
+    >>> used = iter([0.0, 0.0, 0.0,   0.0, 0.025,  0.025, 0.030,  0.030, 0.030]).__next__  # idle; 1 core, 0.2, 0
+    >>> quiet = Quiet(others=used, clock=lambda: now[0], sleep=sleep, recent=deque(maxlen=RECENT))
+    >>> round(quiet.background, 2), round(quiet.wait(), 3), quiet.frames, quiet.capped
+    (0.0, 0.075, 1, 0)
+    """
+
+    def __init__(self, others: Callable[[], float | None] = other_cpu_seconds, clock: Callable[[], float] =
+                 time.perf_counter, sleep: Callable[[float], None] = time.sleep, window_s: float = WINDOW_S,
+                 cap_s: float = CAP_S, recent: deque | None = None):
+        self.others, self.clock, self.sleep, self.window_s, self.cap_s = others, clock, sleep, window_s, cap_s
+        self.recent = _recent if recent is None else recent
+        self.waited_s, self.frames, self.capped = 0.0, 0, 0
+        self.available = self.others() is not None
+        if self.available:
+            self._window()
+
+    def _window(self) -> float:
+        """Other processes' CPU over the next window, in cores."""
+        before, started = self.others(), self.clock()
+        self.sleep(self.window_s)
+        after, ended = self.others(), self.clock()
+        if before is None or after is None:
+            return 0.0
+        cores = (after - before) / max(ended - started, 1e-9)
+        self.recent.append(cores)
+        return cores
+
+    @property
+    def background(self) -> float:
+        """Other processes' use of the CPU with no page drawing: the quietest recent window, in cores."""
+        return max(0.0, min(self.recent, default=0.0))  # below 0: a tick counted on the other side of a window
+
+    def wait(self) -> float:
+        """Sleep, window by window, until ``QUIET_WINDOWS`` windows in a row read no more than the background plus
+        ``ABOVE_BACKGROUND`` cores, or ``cap_s`` has passed; the seconds waited."""
+        if not self.available:
+            return 0.0
+        started, calm = self.clock(), 0
+        while calm < QUIET_WINDOWS:
+            calm = calm + 1 if self._window() <= self.background + ABOVE_BACKGROUND else 0
+            if calm < QUIET_WINDOWS and self.clock() - started >= self.cap_s:
+                self.capped += 1
+                break
+        waited = self.clock() - started
+        self.waited_s += waited
+        self.frames += 1
+        return waited
+
+    def describe(self) -> str:
+        """What the waits came to, for the run's details: ``""`` before any frame."""
+        if not self.available:
+            return "the machine's CPU use could not be read here, so no step waited for the page's drawing"
+        if not self.frames:
+            return ""
+        frames = f"{self.frames} frame{'s' * (self.frames != 1)}"
+        line = (f"after the {frames} sent, decoding waited each time (untimed) until the machine's other "
+                f"processes, such as a browser drawing the page here, were back to their use before the run: "
+                f"{self.waited_s:.1f} s in all")
+        if self.capped:
+            line += f"; {self.capped} time{'s' * (self.capped != 1)} they stayed busy past {self.cap_s:.1f} s"
+        return line
