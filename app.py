@@ -634,11 +634,14 @@ def wire_race(h: Handlers, racing: dict, live: dict, out: dict) -> None:
     racing["stop"].click(h.stop, None, None, api_visibility="private", queue=False)
     for i, tab in enumerate((live, racing)):
         box = tab["panel"]["model_id"]
-        tab["panel"]["load"].click(h.load_model, [box, out["session"], tab["panel"]["mode"]],
-                                   [tab["panel"]["model_status"]],
-                                   show_progress="hidden", **({"api_name": "load_model"} if i == 0 else
-                                                              {"api_visibility": "private"}), **MODEL_WORK, **RAW
-                                   ).then(h.kept_model, [out["session"]], [box], api_visibility="private")
+        loaded = tab["panel"]["load"].click(h.load_model, [box, out["session"], tab["panel"]["mode"]],
+                                            [tab["panel"]["model_status"]], show_progress="hidden",
+                                            **({"api_name": "load_model"} if i == 0 else
+                                               {"api_visibility": "private"}), **MODEL_WORK, **RAW)
+        # failed or not, the box names the model runs use now (a failed load leaves the one the session had, so
+        # that Run works at once): .then does not run after a failure
+        for after in (loaded.success, loaded.failure):
+            after(h.kept_model, [out["session"]], [box], api_visibility="private")
 
 
 def outputs_by_name(live: dict, racing: dict, session: gr.State, timer: gr.Timer) -> dict:

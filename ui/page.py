@@ -108,5 +108,17 @@ CLAMP_NOTES_JS = """() => {
   document.addEventListener('keydown', (event) => { if (event.key === 'Enter') check(event.target); }, true);
   document.addEventListener('focusout', (event) => check(event.target), true);
   document.addEventListener('change', (event) => check(event.target), true);
+  // A message (an error of Live, a replay or a model load; the race's status) is brought into view as it appears:
+  // Run scrolls the answer into view before the request, which left a message above it out of sight
+  const bring = () => document.querySelectorAll('.tr-notice, #race-status, #model-status, #race-model-status')
+    .forEach((el) => {
+      const text = el.textContent.trim();
+      if (!text || el.dataset.trShown === text) return;
+      el.dataset.trShown = text;
+      if (!el.matches('.tr-notice') && !/Not run|Not loaded/.test(text)) return;
+      const r = el.getBoundingClientRect();
+      if (r.top < 0 || r.bottom > window.innerHeight) el.scrollIntoView({behavior: 'instant', block: 'center'});
+    });
+  new MutationObserver(bring).observe(document.body, {childList: true, subtree: true, characterData: true});
   return window.innerWidth < %d;
 }""" % NARROW_PX

@@ -221,7 +221,8 @@ def race_table_html(rounds: Mapping[str, Sequence[RaceRun]], decode, tree: str |
         check = "✓ identical" if s.identical else "✗ differs (see below)"
         rows.append(f'<tr data-method="{escape(method)}" data-identical="{str(s.identical).lower()}" '
                     f'data-median="{s.tokens_per_s.median:.1f}" data-low="{s.tokens_per_s.low:.1f}" '
-                    f'data-high="{s.tokens_per_s.high:.1f}">'
+                    f'data-high="{s.tokens_per_s.high:.1f}" data-speedup="{s.speedup.median:.3f}" '
+                    f'data-speedup-low="{s.speedup.low:.3f}" data-speedup-high="{s.speedup.high:.3f}">'
                     f"<td>{escape(method_label(method, tree))}</td><td>{s.tokens_per_s.shown()}</td>"
                     f"<td>{s.speedup.shown(2, '×')}</td><td>{s.tokens_per_pass:.2f}</td><td>{s.pass_cost:.2f}×</td>"
                     f'<td>{s.steps}</td><td class="{"tr-same" if s.identical else "tr-differs"}">{check}</td></tr>')

@@ -176,12 +176,14 @@ class _ModelRun(Stoppable):
     def __init__(self, session: Session, models: ModelCache, settings: Settings):
         self.session, self.models, self.settings = session, models, settings
         self.quiet: Quiet | None = None  # made by ``prepare``: the machine's background use of the CPU
+        self.frames_sent = 0
 
     def settle(self) -> None:
         """A frame was sent: wait, untimed, until the machine's other processes (a browser drawing it on this
         machine) are back to their use before the run (``ui.quiet``), so that no timed step pays for the drawing."""
         if self.quiet is not None:
             self.quiet.wait()
+        self.frames_sent += 1
 
     @property
     def needs_loading(self) -> bool:
@@ -314,7 +316,14 @@ class LiveRun(_ModelRun):
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method, sampling=s.sampling)
         plain = None if s.method == "plain" else PlainAlongside(self.engine, self.ids, s.max_new_tokens, s.sampling)
+        led = 0  # the frames after which plain decoding went first
         while not self.stopped:
+            if plain is not None and self.frames_sent > led:
+                # after every other frame plain decoding takes the first step (one token ahead), so that what the
+                # page's drawing leaves behind falls on either lane alike
+                led = self.frames_sent
+                if led % 2 == 0:
+                    plain.catch_up(plain.tokens + 1, lambda: self.stopped)
             started = time.perf_counter()
             try:
                 with collector_paused():  # the collections the page's drawing causes run between steps, untimed
