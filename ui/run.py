@@ -32,6 +32,7 @@ from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
 from tr_core.speed import machine_profile
 from tr_core.stats import collector_paused
+from tr_core.text import shown_piece
 from tr_core.tree import load_template
 from visualize.trace import token_text_map
 
@@ -377,7 +378,9 @@ class LiveRun(_ModelRun):
         names.update(zip(event.tree_tokens, event.tree_text))
         missing = [t for t in token_ids_named([event]) if t not in names]
         if missing:
-            names.update(zip(missing, self.engine.tokenizer.batch_decode([[t] for t in missing])))
+            tokenizer = self.engine.tokenizer  # a token that is not whole UTF-8 is named by its bytes
+            names.update((t, shown_piece(tokenizer, t, text))
+                         for t, text in zip(missing, tokenizer.batch_decode([[t] for t in missing])))
 
     def token_text(self, token: int) -> str:
         return self.record.token_text(token)

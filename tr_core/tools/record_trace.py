@@ -38,6 +38,7 @@ from ..engine import Engine, EngineConfig
 from ..events import StepEvent, token_ids_named
 from ..fitting import auto_tree
 from ..speed.calibrate import context_curve, machine_key, streamed_parameters
+from ..text import shown_piece
 
 # Not a Spec-Bench question, nor one of the prompts the hot-start matrix was built from (assets/prompts/generic.txt).
 PROMPT = "Explain how a rainbow forms, in a few sentences."
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_accepted_tokens": round(len(result.token_ids) / result.steps, 4),
             "text": decode(result.token_ids),
             "recorded_by": "python -m tr_core.tools.record_trace",
-            "token_text": {str(t): decode([t]) for t in token_ids_named(events)},
+            "token_text": {str(t): shown_piece(engine.tokenizer, t, decode([t])) for t in token_ids_named(events)},
             "special_ids": sorted(set(engine.tokenizer.all_special_ids) & set(token_ids_named(events))),
             "calibration": {"machine": machine_key(engine.model), "t_ms": {str(n): round(ms, 2)
                                                                             for n, ms in curve.items()}},
