@@ -146,7 +146,10 @@ APP_CSS = """
 .tr-lanes { grid-template-columns: repeat(auto-fit, minmax(240px, 1fr)) !important; }
 .tr-table-wrap { overflow-x: auto; }
 #answer { scroll-margin-top: 8px; }  /* Run scrolls it into view (SHOW_ANSWER): its border not at the window's edge */
+.tr-narrow-only { display: none; }
 @media (max-width: 640px) {
+  .tr-table .tr-minor { display: none; }  /* a phone's width holds the columns that matter, none cut or scrolled */
+  .tr-narrow-only { display: inline; }
   .js-plotly-plot .modebar-container { display: none !important; }  /* on a phone it covered the figures' titles */
   #intro h1 { font-size: 22px; margin-bottom: 4px; }
   #intro p { font-size: 13px; }

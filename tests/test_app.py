@@ -173,8 +173,9 @@ def test_the_race_gives_each_methods_median_and_range_over_its_rounds():
     decode = lambda ids: "".join(f" w{i}" for i in ids)  # noqa: E731
     page = race_table_html(rounds, decode, tree="small")
     rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)" data-median="([\d.]+)" data-low="([\d.]+)" '
-                      r'data-high="([\d.]+)"><td>[^<]*</td><td>([^<]*)</td><td>([^<]*)</td><td>([\d.]+)</td>'
-                      r"<td>([\d.]+)×</td>", page)
+                      r'data-high="([\d.]+)" data-speedup="[\d.]+" data-speedup-low="[\d.]+" '
+                      r'data-speedup-high="[\d.]+"><td>[^<]*</td><td class="tr-\w+">[^<]*</td><td>([^<]*)</td>'
+                      r'<td>([^<]*)</td><td>([\d.]+)</td><td class="tr-minor">([\d.]+)×</td>', page)
     assert rows == [("plain", "true", "2.0", "2.0", "2.0", "2.0 (2.0–2.0)", "1.00× (1.00–1.00×)", "1.00", "1.00"),
                     ("pld", "false", "2.0", "2.0", "2.0", "2.0 (2.0–2.0)", "1.00× (1.00–1.00×)", "1.00", "1.00"),
                     ("tr", "true", "4.4", "3.6", "5.0", "4.4 (3.6–5.0)", "2.22× (1.82–2.50×)", "2.00", "1.50")]
@@ -887,7 +888,8 @@ def test_the_race_measures_three_methods_in_rounds_and_checks_each_against_plain
                        status)
     assert verdict, status
     rows = re.findall(r'<tr data-method="(\w+)" data-identical="(\w+)" data-median="([\d.]+)" data-low="([\d.]+)" '
-                      r'data-high="([\d.]+)"><td>[^<]*</td><td>[^<]*</td><td>([\d.]+)×', table)
+                      r'data-high="([\d.]+)"[^>]*><td>[^<]*</td><td class="tr-\w+">[^<]*</td><td>[^<]*</td>'
+                      r'<td>([\d.]+)×', table)
     assert [r[0] for r in rows] == ["plain", "pld", "tr"] and rows[0][5] == "1.00"
     for method, identical, median, low, high, ratio in rows:
         assert 0 < float(low) <= float(median) <= float(high)

@@ -251,7 +251,7 @@ def test_a_user_runs_scrubs_and_races(browser, served, shots):  # noqa: F811
     rows = page.locator("#race-table tr[data-method]")
     raced = ["plain", "pld", "tr", "tr-context"]  # the default: plain, the baseline, the paper, the best beyond it
     assert rows.evaluate_all("els => els.map(e => e.dataset.method)") == raced
-    spreads = rows.evaluate_all("els => els.map(e => e.cells[1].textContent)")
+    spreads = rows.evaluate_all("els => els.map(e => e.cells[2].textContent)")
     assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d–\d+\.\d\)", s) for s in spreads), spreads  # median (range)
     legend = page.locator("#race-plot .legendtext").evaluate_all("els => els.map(e => e.textContent)")
     assert len(legend) == 4 and all(re.search(r"\(\d+\.\d–\d+\.\d\) tok/s$", t) for t in legend), legend

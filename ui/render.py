@@ -86,7 +86,7 @@ def in_words(events: Sequence[StepEvent]) -> str:
     many tokens each step made.
 
     >>> from types import SimpleNamespace as E
-    >>> in_words([E(tree_tokens=list(range(13)), total_tokens=7, total_steps=4)] * 4)[:80]
+    >>> in_words([E(tree_tokens=list(range(13)), total_tokens=7, total_steps=4)] * 4)[:83]
     'each step checked 12 guesses, kept 0.75 of them on average, so each step made 1.75'
     >>> in_words([E(tree_tokens=[5], total_tokens=3, total_steps=3)])
     'each step made 1 token, as plain decoding does: there were no guesses to check'
@@ -98,8 +98,9 @@ def in_words(events: Sequence[StepEvent]) -> str:
     guesses = sum(len(e.tree_tokens) - 1 for e in events) / len(events)
     if guesses == 0:
         return "each step made 1 token, as plain decoding does: there were no guesses to check"
-    shown = f"{guesses:.0f}" if abs(guesses - round(guesses)) < 0.05 else f"{guesses:.1f} on average"
-    return (f"each step checked {shown} guess{'es' * (shown != '1')}, kept {made - 1:.2f} of them on average, so "
+    whole = abs(guesses - round(guesses)) < 0.05
+    shown = f"{guesses:.0f} guess{'es' * (round(guesses) != 1)}" if whole else f"{guesses:.1f} guesses on average"
+    return (f"each step checked {shown}, kept {made - 1:.2f} of them on average, so "
             f"each step made {made:.2f} tokens (the kept guesses plus the model's own next token)")
 
 
@@ -223,17 +224,26 @@ def race_table_html(rounds: Mapping[str, Sequence[RaceRun]], decode, tree: str |
                     f'data-median="{s.tokens_per_s.median:.1f}" data-low="{s.tokens_per_s.low:.1f}" '
                     f'data-high="{s.tokens_per_s.high:.1f}" data-speedup="{s.speedup.median:.3f}" '
                     f'data-speedup-low="{s.speedup.low:.3f}" data-speedup-high="{s.speedup.high:.3f}">'
-                    f"<td>{escape(method_label(method, tree))}</td><td>{s.tokens_per_s.shown()}</td>"
-                    f"<td>{s.speedup.shown(2, '×')}</td><td>{s.tokens_per_pass:.2f}</td><td>{s.pass_cost:.2f}×</td>"
-                    f'<td>{s.steps}</td><td class="{"tr-same" if s.identical else "tr-differs"}">{check}</td></tr>')
+                    f"<td>{escape(method_label(method, tree))}</td>"
+                    f'<td class="{"tr-same" if s.identical else "tr-differs"}">{check}</td>'
+                    f"<td>{s.tokens_per_s.shown()}</td><td>{s.speedup.shown(2, '×')}</td>"
+                    f'<td>{s.tokens_per_pass:.2f}</td><td class="tr-minor">{s.pass_cost:.2f}×</td>'
+                    f'<td class="tr-minor">{s.steps}</td></tr>')
         if not s.identical:
             other = next(r for r in rounds[method] if r.token_ids != plain.token_ids)
             diffs.append(difference_html(plain, other, decode))
     n = len(rounds["plain"])
-    head = (f"<tr><th>method</th><th>tokens/s: median of {n} (range)</th><th>speedup over plain</th>"
-            f"<th>{escape(TOKENS_PER_PASS)}</th><th>cost of one forward pass, against a one-token pass</th>"
-            "<th>decoding steps</th><th>output vs plain decoding</th></tr>")
-    return (f'<div class="tr-table-wrap"><table class="tr-table">{head}{"".join(rows)}</table></div>'
+    head = (f"<tr><th>method</th><th>output vs plain decoding</th><th>tokens/s: median of {n} (range)</th>"
+            f"<th>speedup over plain: median (range)</th><th>{escape(TOKENS_PER_PASS)}</th>"
+            '<th class="tr-minor">cost of one forward pass, against a one-token pass</th>'
+            '<th class="tr-minor">decoding steps</th></tr>')
+    # the speedup is the median of the rounds' own ratios (each round's tokens/s over that round's plain decoding),
+    # not the ratio of the medians beside it
+    why = ('<div class="tr-status">Speedup: the median over the rounds of each round\'s ratio to plain decoding in '
+           "the same round, so it need not equal the ratio of the two medians of tokens/s. "
+           '<span class="tr-narrow-only">On a wider screen the table also gives each pass\'s cost and the '
+           "decoding steps.</span></div>")
+    return (f'<div class="tr-table-wrap"><table class="tr-table">{head}{"".join(rows)}</table></div>{why}'
             f'{"".join(diffs)}')
 
 
@@ -242,8 +252,13 @@ def history_html(history: Sequence[Mapping]) -> str:
     if not history:
         return '<div class="tr-empty">No runs yet in this session.</div>'
     keys = ["run", "what", "tree", "k", "matrix at start", "tokens", "decoding steps", TOKENS_PER_PASS, "tokens/s"]
-    head = "".join(f"<th>{escape(k)}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(f"<td>{escape(str(row.get(k, '')))}</td>" for k in keys) + "</tr>"
+    minor = {"tree", "k", "matrix at start", "decoding steps"}  # left out on a phone's width (CSS: .tr-minor)
+
+    def cell(tag: str, key: str, text: str) -> str:
+        return f'<{tag}{" class=tr-minor" if key in minor else ""}>{escape(text)}</{tag}>'
+
+    head = "".join(cell("th", k, k) for k in keys)
+    body = "".join("<tr>" + "".join(cell("td", k, str(row.get(k, ""))) for k in keys) + "</tr>"
                    for row in reversed(history))
     older = history[0]["run"] - 1 if history else 0
     note = (f'<div class="tr-status">and {older} earlier run{"s" * (older != 1)}, no longer listed</div>'

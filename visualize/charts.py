@@ -346,11 +346,13 @@ def projection_figure(rows: Sequence[Mapping], title: str = "", compact: bool = 
     fig = go.Figure()
     names = [r["device"] + ("" if r.get("modelled", True) else " (measured)") for r in rows]
     labels = [_projection_label(r) for r in rows]
+    # on a phone the bars carry the speedup alone (the error's words ran past the figure's edge): the rest on hover
+    shown = [f"{r['speedup']:.2f}×" for r in rows] if compact else labels
     fig.add_trace(go.Bar(
-        y=names, x=[r["speedup"] for r in rows], orientation="h", text=labels, textposition="outside",
+        y=names, x=[r["speedup"] for r in rows], orientation="h", text=shown, textposition="outside",
         cliponaxis=False, marker=dict(color=[GREY if r.get("modelled", True) else BLUE for r in rows],
                                       pattern_shape=["/" if r.get("modelled", True) else "" for r in rows]),
-        hovertemplate="%{y}: %{x:.2f}× plain decoding<extra></extra>"))
+        customdata=labels, hovertemplate="%{y}: %{customdata} plain decoding<extra></extra>"))
     fig.add_vline(x=1.0, line=dict(color=BLACK, dash="dash", width=1))
     top = max([r["speedup"] for r in rows] + [1.0])
     title = wrap(title or "the same accepted tokens on other hardware: a model, not a measurement",
