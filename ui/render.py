@@ -86,7 +86,7 @@ def in_words(events: Sequence[StepEvent]) -> str:
     many tokens each step made.
 
     >>> from types import SimpleNamespace as E
-    >>> in_words([E(tree_tokens=list(range(13)), total_tokens=7, total_steps=4)] * 4)[:83]
+    >>> in_words([E(tree_tokens=list(range(13)), total_tokens=7, total_steps=4)] * 4)[:82]
     'each step checked 12 guesses, kept 0.75 of them on average, so each step made 1.75'
     >>> in_words([E(tree_tokens=[5], total_tokens=3, total_steps=3)])
     'each step made 1 token, as plain decoding does: there were no guesses to check'
