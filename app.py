@@ -93,7 +93,16 @@ from ui.render import (  # noqa: E402
 )
 from ui.run import RACE_METHODS, RACE_ROUNDS, Every, LiveRun, Race, Stoppable, TraceReplay  # noqa: E402
 from ui.session import Session  # noqa: E402
-from ui.settings import DEFAULT_RACE, RACE_CHOICES, RACE_MATRICES, Settings, method_choices, methods_help, tree_choices  # noqa: E402
+from ui.settings import (  # noqa: E402
+    DEFAULT_RACE,
+    RACE_CHOICES,
+    RACE_MATRICES,
+    Settings,
+    method_choices,
+    methods_help,
+    tree_choices,
+    tree_picker_note,
+)
 
 MODEL_CONCURRENCY = 1  # one decoding at a time: torch already spreads one over every core
 # Requests waiting for a worker, all users together; one more is refused at once with "the queue is full". At about
@@ -156,7 +165,7 @@ APP_CSS = """
   .tr-stat { padding: 2px 8px; }
   .tr-stat b { font-size: 18px; }
   .tr-table { font-size: 12px; }
-  .tr-table th, .tr-table td { padding: 3px 5px; }
+  .tr-table th, .tr-table td { padding: 3px 3px; overflow-wrap: anywhere; }
 }
 """
 
@@ -592,6 +601,12 @@ SHOW_ANSWER = """(...inputs) => { const c = document.getElementById('counters'),
   return inputs; }""" % NARROW_PX
 
 
+def tree_picker(method: str) -> gr.Dropdown:
+    """Live's Draft tree picker for ``method``: on for Token Recycling, off with its reason for the others."""
+    note = tree_picker_note(method)
+    return gr.Dropdown(interactive=note is None, info=note or "")
+
+
 def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer) -> None:
     """The Live tab's events: run (and "watch the tree anyway"), stop, reset, the step slider and the player."""
     session, inputs = out["session"], run_inputs(live, out["session"], "method")
@@ -607,6 +622,9 @@ def wire_live(h: Handlers, live: dict, racing: dict, out: dict, timer: gr.Timer)
         **RAW).then(named(h.after_live, out), [session], after, api_visibility="private")
     # Stop bypasses the queue (from the page; gradio_client queues every call): it works however full the queue is
     live["stop"].click(h.stop, None, None, api_name="stop", queue=False)
+    # a method that does not draft with the tree picked: the picker is off, and says why (no setting does nothing
+    # silently)
+    live["method"].change(tree_picker, live["method"], live["panel"]["tree"], api_visibility="private", queue=False)
     live["reset"].click(named(h.reset, out), None, [out[n] for n in RESET_OUTPUTS], api_name="reset").then(
         named(h.after_live, out), [session], after, api_visibility="private")
     figures = [out[n] for n in STEP_OUTPUTS]

@@ -134,8 +134,9 @@ def race_frame(progress: RaceProgress, race: Race, session: Session) -> dict:
     summary = race_summary(progress.rounds)
     verdict = race_verdict(summary)
     table = race_table_html(progress.rounds, race.decode, tree)
-    table += (f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}. Every matrix method '
-              f"started from {escape(race.matrix_history)}.</div>")
+    table += ('<details class="tr-details"><summary>Details: how the race was set up</summary>'
+              f'<div class="tr-status">Token Recycling ran with {escape(race.about_setup)}. Every matrix method '
+              f"started from {escape(race.matrix_history)}.</div></details>")
     data = race_summary_data(summary, progress.rounds, verdict, race.matrix_history, progress.runs,
                              race.machine_profile())
     shown = data["projection"][0]["method"] if data["projection"] else ""

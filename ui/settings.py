@@ -102,6 +102,20 @@ def check_race_methods(value) -> tuple[str, ...]:
 BEYOND = " (beyond the paper, an experiment)"
 
 
+def tree_picker_note(method: str) -> str | None:
+    """Why Live's Draft tree picker does nothing while ``method`` is picked (``None``: it drafts with the tree picked).
+
+    >>> tree_picker_note("tr") is None, tree_picker_note("tr-context")[:40]
+    (True, 'Token Recycling + context sizes its own ')
+    """
+    m = METHODS.get(method)
+    if m is None or method == "tr":
+        return None
+    if m.beyond_paper:
+        return f"{m.label} sizes its own tree on this machine; the tree picked applies to Token Recycling only."
+    return f"{m.label} drafts without the matrix's tree; the tree picked applies to Token Recycling only."
+
+
 def method_choices(names=NAMES) -> list[tuple[str, str]]:
     """``[(label, name), ...]`` for the method pickers; the methods beyond the paper say so."""
     return [(METHODS[n].label + (BEYOND if METHODS[n].beyond_paper else ""), n) for n in names]
