@@ -71,7 +71,10 @@ def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) ->
     status = (finished_status(last, snap.stopped) if snap.done else
               "running, with plain decoding measured alongside" if snap.baseline else "running")
     values = dict(answer_html=answer_html(snap.events, hidden=run.hidden), session=session,
-                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline, in_words(snap.events)))
+                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline,
+                                              # what was done to the prompt stays in sight (the set-up in Details)
+                                              "; ".join(filter(None, [getattr(run, "about_prompt", ""),
+                                                                      in_words(snap.events)]))))
     if (figures or snap.done) and last:
         values.update(draft_tree=tree_figure(last, run.token_text, compact=session.narrow),
                       matrix_rows=matrix_figure(last, run.token_text, compact=session.narrow))

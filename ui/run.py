@@ -303,7 +303,7 @@ class LiveRun(_ModelRun):
     def note(self) -> str:
         """What the run drafts with: the prompt's cut, the mode, the tree, the matrix."""
         quiet = self.quiet.describe() if self.quiet else ""
-        return "; ".join(filter(None, [self.about_prompt, self.about_setup, f"adjacency matrix: {self.about_matrix}",
+        return "; ".join(filter(None, [self.about_setup, f"adjacency matrix: {self.about_matrix}",
                                        quiet]))
 
     def snapshots(self) -> Iterator[Snapshot]:
