@@ -248,8 +248,9 @@ class Handlers:
             for snap in run.snapshots():
                 if snap.done or due():
                     yield live_frame(snap, run, True, session)
-                    run.settle()  # the frame is on its way: the next step is timed once the machine is quiet
-                    due.restart()  # the next frame after FRAME_EVERY_S of decoding, not of waiting
+                    if not snap.done:  # the last frame: nothing more is timed, the run ends at once
+                        run.settle()  # the frame is on its way: the next step is timed once the machine is quiet
+                        due.restart()  # the next frame after FRAME_EVERY_S of decoding, not of waiting
 
     @user_errors
     def replay_trace(self, trace_file, session: Session, request: gr.Request = None):
@@ -335,7 +336,8 @@ class Handlers:
         with self._stoppable(request, race):
             for progress in race.progress():
                 yield race_frame(progress, race, session)
-                race.settle()  # the next method is timed once the page has drawn this frame
+                if not progress.done:
+                    race.settle()  # the next method is timed once the page has drawn this frame
 
     @user_errors
     def replay(self, session: Session, request: gr.Request):
