@@ -113,8 +113,9 @@ QUEUE_MAX_SIZE = 32
 SESSIONS_KEPT = 500
 # While decoding, the page updates at most every FRAME_EVERY_S (steps in between are not drawn: frames are dropped,
 # never queued), the answer, the counters and the figures of one step together, so the tree shown is the counters'
-# step. After each frame the run waits, untimed, for the machine's other processes (a browser drawing the page on this
-# machine) to be quiet again (ui.quiet) before it times its next step.
+# step; then plain decoding of the same prompt is measured for the speedup, its counters at the same cadence. After
+# each frame the run waits, untimed, for the machine's other processes (a browser drawing the page on this machine) to
+# be quiet again (ui.quiet) before it times its next step. Why plain decoding after the run: ui.run.PlainAlongside.
 FRAME_EVERY_S = 0.25
 REPLAY_FRAME_S = 0.1
 PLAY_EVERY_S = 0.8
@@ -230,8 +231,9 @@ class Handlers:
     def live(self, session: Session, request: gr.Request = None, **values):
         """Decode with the method picked (Token Recycling by default), greedy or sampled as set, streaming the
         answer, the counters and the figures of the latest step at most every ``FRAME_EVERY_S`` (the steps in between
-        are not drawn), with plain decoding measured alongside for the speedup (``ui.run.PlainAlongside``), and the
-        run's summary (JSON). After each frame the run waits, untimed, until the machine is quiet (``ui.quiet``)."""
+        are not drawn), then plain decoding of the same prompt measured for the speedup (``ui.run.PlainAlongside``),
+        and the run's summary (JSON). After each frame the run waits, untimed, until the machine is quiet
+        (``ui.quiet``)."""
         yield from _shown_errors(self._live(values, session, request), lambda message: dict(
             notice_html=notice_html(message), counters_html=counters_html(Rates(), "not run: see the message")))
 
@@ -245,12 +247,11 @@ class Handlers:
                    budget_chart=placeholder(BUDGET_PLACEHOLDER))
         due = Every(FRAME_EVERY_S)
         with self._stoppable(request, run):
-            for snap in run.snapshots():
-                if snap.done or due():
-                    yield live_frame(snap, run, True, session)
-                    if not snap.done:  # the last frame: nothing more is timed, the run ends at once
-                        run.settle()  # the frame is on its way: the next step is timed once the machine is quiet
-                        due.restart()  # the next frame after FRAME_EVERY_S of decoding, not of waiting
+            for snap in run.snapshots(due):  # a frame when due, while the run decodes and while plain decoding does
+                yield live_frame(snap, run, True, session)
+                if not snap.done:  # the last frame: nothing more is timed, the run ends at once
+                    run.settle()  # the frame is on its way: the next step is timed once the machine is quiet
+                    due.restart()  # the next frame after FRAME_EVERY_S of decoding, not of waiting
 
     @user_errors
     def replay_trace(self, trace_file, session: Session, request: gr.Request = None):

@@ -65,16 +65,20 @@ def budget_view(event) -> go.Figure:
 
 
 def live_frame(snap: Snapshot, run: LiveRun, figures: bool, session: Session) -> dict:
-    """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; on the
-    final snapshot, everything, so that the page and an API caller's result (the last update) agree."""
+    """The Live tab after a step: the answer and counters; the figures of the latest step where ``figures``; while
+    plain decoding is measured after the run, its counters alone; on the final snapshot, everything, so that the page
+    and an API caller's result (the last update) agree."""
     last = snap.events[-1] if snap.events else None
     status = (finished_status(last, snap.stopped) if snap.done else
-              "running, with plain decoding measured alongside" if snap.baseline else "running")
-    values = dict(answer_html=answer_html(snap.events, hidden=run.hidden), session=session,
-                  counters_html=counters_html(snap.rates, status, snap.note, snap.baseline,
-                                              # what was done to the prompt stays in sight (the set-up in Details)
-                                              "; ".join(filter(None, [getattr(run, "about_prompt", ""),
-                                                                      in_words(snap.events)]))))
+              "your run is done; now plain decoding of the same prompt, timed on its own for the speedup"
+              if snap.measuring_plain else "running")
+    values = dict(session=session, counters_html=counters_html(
+        snap.rates, status, snap.note, snap.baseline,
+        # what was done to the prompt stays in sight (the set-up in Details)
+        "; ".join(filter(None, [getattr(run, "about_prompt", ""), in_words(snap.events)]))))
+    if snap.measuring_plain and snap.baseline is not None:
+        return values  # the run's answer and figures are on the page already: only plain decoding's counters move
+    values.update(answer_html=answer_html(snap.events, hidden=run.hidden))
     if (figures or snap.done) and last:
         values.update(draft_tree=tree_figure(last, run.token_text, compact=session.narrow),
                       matrix_rows=matrix_figure(last, run.token_text, compact=session.narrow))

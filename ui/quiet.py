@@ -8,9 +8,17 @@ same run measured 1.0-1.1x through the API. So after each frame it sends, a run 
 processes of this machine use no more CPU than they did before the run (``Quiet.wait``), then times its next step.
 Where the browser runs elsewhere (a Space, an API client) the first window already reads quiet.
 
+A wait leaves the CPU idle, and the first pass after it ran slower: on the 2-vCPU machine a Token Recycling tree
+pass (13 rows, exact mode) took 3.3 ms more right after a 60 ms sleep than the passes after it (77.6 against 74.1-74.4
+ms, medians over 3 runs of 128 tokens), a one-row pass of plain decoding 0.3 ms more (47.4 against 47.1-47.3): the
+compute-heavy pass pays for the idle cores, so waiting after every frame billed Token Recycling ~4% that a race (which
+does not wait between steps) does not see. So after the quiet windows the wait keeps both cores busy for ``WARM_S``
+(untimed, a small matmul on torch's threads); with 30 ms of it the first tree pass after the sleep took 72.4 ms against
+71.5-72.1 for the later ones.
+
     quiet = Quiet()          # reads the machine's background (other processes' CPU) now
     ...send a frame...
-    quiet.wait()             # returns once they are back to it, or after ``cap_s``
+    quiet.wait()             # returns once they are back to it (or after ``cap_s``) and the cores are warm again
 
 The CPU figures come from ``psutil`` (the kernel's counters, every process but this one); where they cannot be read
 the wait returns at once and ``available`` says so.
@@ -40,43 +48,69 @@ QUIET_WINDOWS = 2
 # one run alone may start while the browser still draws the page's last frame, and read that as its background
 RECENT = 200
 _recent: deque = deque(maxlen=RECENT)
+# A run reads the background as it starts, window by window until one reads IDLE or BACKGROUND_WINDOWS (0.5 s) have
+# passed: Run was just clicked, and the browser on this machine may still be drawing the page's answer to the click.
+# A first run read its one window then, as 1 core or so, took that for the background and waited for nothing: with
+# Chromium open on the page, 0.73x where the race read 1.03-1.14x.
+IDLE = 0.1
+BACKGROUND_WINDOWS = 20
+# Busy time after a wait, before the next timed step: the cores back at speed (see above). Longer only costs wall time.
+WARM_S = 0.03
+
+
+def warm_cores(seconds: float) -> None:
+    """Keep torch's threads busy for ``seconds`` (small matmuls), so that the next timed step does not start on idle
+    cores."""
+    import torch
+
+    a = torch.ones(192, 192)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a)
 
 
 def other_cpu_seconds() -> float | None:
-    """CPU seconds used so far by every process of this machine but this one (all cores), or ``None``."""
+    """CPU seconds used so far by everything on this machine but the calling thread (all cores), or ``None``: other
+    processes (a browser drawing the page) and this process's other threads too (the server encoding and sending the
+    frame just yielded, an API client in the same process parsing it; torch's own threads sit idle between steps)."""
     if psutil is None:
         return None
     try:
-        t, own = psutil.cpu_times(), psutil.Process().cpu_times()
+        t = psutil.cpu_times()
     except Exception:  # no permission, a platform psutil does not cover
         return None
     busy = sum(getattr(t, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq"))
-    return busy - own.user - own.system
+    return busy - time.thread_time()
 
 
 class Quiet:
     """Waits until the machine's other processes are back to their background use of the CPU.
 
-    ``others`` reads their CPU seconds so far (``other_cpu_seconds``), ``clock`` and ``sleep`` the time: a test
-    passes stubs, and its own ``recent`` readings (by default the process's, shared by every run: ``RECENT``).
+    ``others`` reads their CPU seconds so far (``other_cpu_seconds``), ``clock`` and ``sleep`` the time, ``warm``
+    keeps the cores busy for ``warm_s`` after a wait (``warm_cores``): a test passes stubs, and its own ``recent``
+    readings (by default the process's, shared by every run: ``RECENT``).
 
     >>> now = [0.0]
     >>> def sleep(s): now[0] += s
     >>> used = iter([0.0, 0.0, 0.0,   0.0, 0.025,  0.025, 0.030,  0.030, 0.030]).__next__  # idle; 1 core, 0.2, 0
-    >>> quiet = Quiet(others=used, clock=lambda: now[0], sleep=sleep, recent=deque(maxlen=RECENT))
+    >>> quiet = Quiet(others=used, clock=lambda: now[0], sleep=sleep, recent=deque(maxlen=RECENT), warm=sleep)
     >>> round(quiet.background, 2), round(quiet.wait(), 3), quiet.frames, quiet.capped
-    (0.0, 0.075, 1, 0)
+    (0.0, 0.105, 1, 0)
     """
 
     def __init__(self, others: Callable[[], float | None] = other_cpu_seconds, clock: Callable[[], float] =
                  time.perf_counter, sleep: Callable[[float], None] = time.sleep, window_s: float = WINDOW_S,
-                 cap_s: float = CAP_S, recent: deque | None = None):
+                 cap_s: float = CAP_S, recent: deque | None = None, warm: Callable[[float], None] = warm_cores,
+                 warm_s: float = WARM_S):
         self.others, self.clock, self.sleep, self.window_s, self.cap_s = others, clock, sleep, window_s, cap_s
+        self.warm, self.warm_s = warm, warm_s
         self.recent = _recent if recent is None else recent
         self.waited_s, self.frames, self.capped = 0.0, 0, 0
         self.available = self.others() is not None
-        if self.available:
-            self._window()
+        if self.available:  # the background: windows until one reads idle, the page drawn (or BACKGROUND_WINDOWS)
+            for _ in range(BACKGROUND_WINDOWS):
+                if self._window() <= IDLE:
+                    break
 
     def _window(self) -> float:
         """Other processes' CPU over the next window, in cores."""
@@ -96,7 +130,8 @@ class Quiet:
 
     def wait(self) -> float:
         """Sleep, window by window, until ``QUIET_WINDOWS`` windows in a row read no more than the background plus
-        ``ABOVE_BACKGROUND`` cores, or ``cap_s`` has passed; the seconds waited."""
+        ``ABOVE_BACKGROUND`` cores, or ``cap_s`` has passed, then warm the cores for ``warm_s``; the seconds
+        waited, the warming included."""
         if not self.available:
             return 0.0
         started, calm = self.clock(), 0
@@ -105,6 +140,7 @@ class Quiet:
             if calm < QUIET_WINDOWS and self.clock() - started >= self.cap_s:
                 self.capped += 1
                 break
+        self.warm(self.warm_s)
         waited = self.clock() - started
         self.waited_s += waited
         self.frames += 1
@@ -118,8 +154,9 @@ class Quiet:
             return ""
         frames = f"{self.frames} frame{'s' * (self.frames != 1)}"
         line = (f"after the {frames} sent, decoding waited each time (untimed) until the machine's other "
-                f"processes, such as a browser drawing the page here, were back to their use before the run: "
-                f"{self.waited_s:.1f} s in all")
+                f"processes, such as a browser drawing the page here, were back to their use before the run, then "
+                f"kept the cores busy for {self.warm_s * 1000:.0f} ms so that the next step did not start on idle "
+                f"cores: {self.waited_s:.1f} s in all")
         if self.capped:
             line += f"; {self.capped} time{'s' * (self.capped != 1)} they stayed busy past {self.cap_s:.1f} s"
         return line

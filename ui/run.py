@@ -7,8 +7,8 @@
     run.stop()                          # from another request: the run ends after its current step
 
 A live run drafts from the session's own matrix (hot start) and leaves its record in ``session.live`` and a line in
-``session.history``; plain decoding of the same prompt runs alongside it, step by step to the same token count and
-timed on its own (``PlainAlongside``), so that the page gives the speedup as the race and the benchmark define it
+``session.history``; plain decoding of the same prompt is measured right after it, to the same token count and timed
+on its own (``PlainAlongside``), so that the page gives the speedup as the race and the benchmark define it
 (``tr_core.stats.speedup``) from two runs measured under the same load. A ``Race`` measures
 plain decoding and the methods the user picked (by default Prompt Lookup, Token Recycling and the best extension
 beyond the paper) in rounds: each round runs every method once, one after another, in an order rotated per round,
@@ -160,6 +160,7 @@ class Snapshot:
     stopped: bool = False
     baseline: Baseline | None = None
     drafted_nothing: bool = False  # the auto tree stayed empty at every step: the run was plain decoding
+    measuring_plain: bool = False  # the run's steps are done; plain decoding of the prompt is being measured
 
 
 class Stoppable:
@@ -241,12 +242,19 @@ class _ModelRun(Stoppable):
 
 
 class PlainAlongside:
-    """Plain decoding of a live run's prompt, measured alongside the run: after each of the run's steps it decodes
-    until it has as many tokens, timed on its own. So the two are measured over the same answer length and under the
-    same load, interleaved step by step (a shared CPU's speed drifts by up to 2x within minutes, the reason the race
-    interleaves its rounds); each one's time counts its prefill and every decoding step, not the other's time nor
-    the page's drawing (``tr_core.stats.SPEEDUP_DEFINITION``), nor the garbage collections the drawing causes
-    (``collector_paused``: they run between steps)."""
+    """Plain decoding of a live run's prompt, measured right after the run (``LiveRun.snapshots``) to the same token
+    count, timed on its own as the race times each run: its time counts its prefill and every decoding step, not the
+    page's drawing (``tr_core.stats.SPEEDUP_DEFINITION``), nor the garbage collections the drawing causes
+    (``collector_paused``: they run between steps). Both runs send a frame after each ``FRAME_EVERY_S`` of decoding
+    and wait after it until the machine is quiet (``Quiet``), so both are interrupted alike.
+
+    Why after the run and not step by step beside it: on this project's 2-vCPU machine a tree pass (13 rows, exact
+    mode) ran slower right after a one-row pass of plain decoding than in a run of tree passes (74.0 ms for the first
+    after a turn of plain steps against 70-71 ms for the later ones, medians over 4 runs of 128 tokens), and plain
+    passes ran faster right after tree passes (45.6 against 47 ms): the two lanes change each other's speed for
+    several steps. Interleaved step by step, Live read 1.13-1.19x where the race, which runs each method alone,
+    read 1.22-1.23x on the same prompt; in turns of a frame, still 1.14-1.18x. Measured one after the other, as a
+    round of the race is, the two agree (docs/app.md)."""
 
     def __init__(self, engine: Engine, ids: list[int], max_new_tokens: int, sampling):
         self.steps = engine.stream(ids, max_new_tokens, method="plain", sampling=sampling)
@@ -257,17 +265,20 @@ class PlainAlongside:
     def tokens(self) -> int:
         return self.events[-1].total_tokens if self.events else 0
 
-    def catch_up(self, tokens: int, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Decode until plain decoding has ``tokens`` tokens (or has finished, or ``stopped()``)."""
-        while self.tokens < tokens and not (self.events and self.events[-1].finished) and not stopped():
-            started = time.perf_counter()
-            with collector_paused():
-                event = next(self.steps, None)
-            self.seconds += time.perf_counter() - started
-            if event is None:
-                break
-            event.elapsed_s = self.seconds
-            self.events.append(event)
+    def step(self, tokens: int) -> bool:
+        """One timed step of plain decoding, unless it already has ``tokens`` tokens or has finished: whether it
+        took one."""
+        if self.tokens >= tokens or (self.events and self.events[-1].finished):
+            return False
+        started = time.perf_counter()
+        with collector_paused():
+            event = next(self.steps, None)
+        self.seconds += time.perf_counter() - started
+        if event is None:
+            return False
+        event.elapsed_s = self.seconds
+        self.events.append(event)
+        return True
 
     def baseline(self, events: list[StepEvent], final: bool = False) -> Baseline | None:
         """Plain decoding's speed so far (``final``: over the whole answer), beside the run's ``events``."""
@@ -275,9 +286,8 @@ class PlainAlongside:
             return None
         rates = Rates(self.tokens, len(self.events), self.seconds)
         so_far = "" if final else " so far"
-        source = (f"plain decoding of your prompt, measured alongside your run{so_far}: after each step of your run it "
-                  f"decoded to the same token count ({self.tokens} tokens), each timed on its own, the two interleaved "
-                  "step by step (as the race interleaves its rounds)")
+        source = (f"plain decoding of your prompt, measured right after your run{so_far}: {self.tokens} tokens, "
+                  "decoded and timed on its own, as a round of the race times each method")
         same = None
         if final:
             same = [t for e in self.events for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
@@ -306,25 +316,19 @@ class LiveRun(_ModelRun):
         return "; ".join(filter(None, [self.about_setup, f"adjacency matrix: {self.about_matrix}",
                                        quiet]))
 
-    def snapshots(self) -> Iterator[Snapshot]:
-        """Decode, one snapshot per step (a finished run's last step comes as the final snapshot), with plain decoding
-        alongside (``PlainAlongside``) unless the method is plain decoding. The record in ``session.live`` grows with
-        the run; the history gets its line at the end, finished or stopped."""
+    def snapshots(self, frame_due: Callable[[], bool] = lambda: True) -> Iterator[Snapshot]:
+        """Decode, one snapshot after each step at which ``frame_due()`` is true (by default every step); then,
+        unless the method is plain decoding, measure plain decoding of the same prompt to the same token count
+        (``PlainAlongside``), one snapshot (``measuring_plain``) after each of its steps at which ``frame_due()`` is
+        true; the final snapshot last (finished or stopped). The record in ``session.live`` grows with the run; the
+        history gets its line at the end, finished or stopped."""
         s = self.settings
         teaches = s.hot_start and METHODS[s.method].uses_matrix  # the others leave the matrix as it was
         self.record = self.session.begin_live(s.model_id, s.mode, tree_for(s.method, s.tree), teaches, self.hidden,
                                               s.prompt.text)
         events, rates, seconds = self.record.events, Rates(), 0.0
         steps = self.engine.stream(self.ids, s.max_new_tokens, method=s.method, sampling=s.sampling)
-        plain = None if s.method == "plain" else PlainAlongside(self.engine, self.ids, s.max_new_tokens, s.sampling)
-        led = 0  # the frames after which plain decoding went first
         while not self.stopped:
-            if plain is not None and self.frames_sent > led:
-                # after every other frame plain decoding takes the first step (one token ahead), so that what the
-                # page's drawing leaves behind falls on either lane alike
-                led = self.frames_sent
-                if led % 2 == 0:
-                    plain.catch_up(plain.tokens + 1, lambda: self.stopped)
             started = time.perf_counter()
             try:
                 with collector_paused():  # the collections the page's drawing causes run between steps, untimed
@@ -334,15 +338,21 @@ class LiveRun(_ModelRun):
             seconds += time.perf_counter() - started
             if event is None:
                 break
-            event.elapsed_s = seconds  # the time spent decoding: not drawing, not plain decoding alongside
+            event.elapsed_s = seconds  # the time spent decoding: not drawing
             events.append(event)
             self._name_tokens(event)
             rates = Rates(event.total_tokens, event.total_steps, seconds)
-            if plain is not None:
-                plain.catch_up(event.total_tokens, lambda: self.stopped)
             if event.finished:
                 break
-            yield Snapshot(events, rates, self.note, baseline=plain.baseline(events) if plain else None)
+            if frame_due():
+                yield Snapshot(events, rates, self.note)
+        plain = None
+        if s.method != "plain" and events and not self.stopped:
+            plain = PlainAlongside(self.engine, self.ids, s.max_new_tokens, s.sampling)
+            yield Snapshot(events, rates, self.note, measuring_plain=True)
+            while not self.stopped and plain.step(events[-1].total_tokens):
+                if frame_due():
+                    yield Snapshot(events, rates, self.note, baseline=plain.baseline(events), measuring_plain=True)
         if teaches:
             self.session.keep_matrix(self.matrix)  # what the run taught, as the rows it changed
         if events:
