@@ -1034,11 +1034,10 @@ def test_the_readmes_race_helper_runs_against_the_app(served, capsys):
 @pytest.mark.load  # a comparison of two timings on a shared CPU: with the load tests, not in the fast tier
 def test_live_and_the_race_agree_on_one_speedup(client):
     """The same prompt and settings through Live and the race: one speedup definition, and Live's speedup (one run
-    against one plain run of the same length; two such runs, their mean) inside the race's range of rounds, widened
-    by that range's spread and by the two Live runs' own difference. (With one Live run and the race's spread alone,
-    the check failed in 2 of 6 runs here, both with fresh caches as in CI, on a machine whose step moved by 30-40%
-    between runs: Live 1.01x against a race of 1.26-1.31x, 1.20x against 1.31-1.40x; the other runs' Live read
-    1.14-1.26x.) Two Live runs that agree with each other and not with the race still fail it."""
+    against plain decoding of the same length, timed after it; two such runs, their mean) inside the race's range of
+    rounds widened by 0.1 (issue 46). When Live interleaved plain decoding step by step it read 1.13-1.19x against a
+    race of 1.22-1.23x here, and CI failed this check with a narrower margin (1.17x against 1.22-1.24x): the lanes
+    changed each other's speed (ui.run.PlainAlongside)."""
     lives = []
     for _ in range(2):
         client.predict(api_name="/reset")  # Live from the shipped hot start, as the race starts every method
@@ -1047,11 +1046,10 @@ def test_live_and_the_race_agree_on_one_speedup(client):
     race = client.predict(PROMPT, 32, "small", 8, True, "", "exact", ["tr"], api_name="/race")[-1]
     assert all(live["speedup_definition"] == race["speedup_definition"] == SPEEDUP_DEFINITION for live in lives)
     low, high = race["methods"]["tr"]["speedup_range"]
-    spread = high - low
-    mean, noise = sum(r["speedup"] for r in lives) / 2, abs(lives[0]["speedup"] - lives[1]["speedup"])
+    mean = sum(r["speedup"] for r in lives) / 2
     print(f"live {mean:.2f}x ({lives[0]['speedup']:.2f}, {lives[1]['speedup']:.2f}); race "
           f"{race['methods']['tr']['speedup']:.2f}x ({low:.2f}-{high:.2f})")
-    assert low - spread - noise <= mean <= high + spread + noise, (lives, race["methods"]["tr"])
+    assert low - 0.1 <= mean <= high + 0.1, (lives, race["methods"]["tr"])
     live = lives[1]
     assert live["tokens_per_forward_pass"] == race["methods"]["tr"]["tokens_per_forward_pass"]
     assert live["matrix_history"] == "the shipped hot start, no run of yours yet"
