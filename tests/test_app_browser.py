@@ -97,6 +97,20 @@ def overlapping_cell_labels(page, figure: str) -> list:
         return [boxes.length, out]; }""", figure)[1]
 
 
+def clipped_texts(page, selector: str) -> list:
+    """The texts inside ``selector`` (a figure's SVG texts, a table's cells) whose box sticks out of the element's own
+    box, or out of the window's width: cut off, or reachable only by scrolling sideways."""
+    return page.evaluate("""s => {
+        const host = document.querySelector(s);
+        if (!host) return ['missing: ' + s];
+        const outer = host.getBoundingClientRect(), width = document.documentElement.clientWidth;
+        const texts = [...host.querySelectorAll('.main-svg text, td, th')].filter(t => t.textContent.trim()
+            && t.getBoundingClientRect().width > 0);
+        return texts.filter(t => { const r = t.getBoundingClientRect();
+                return r.left < outer.left - 1 || r.right > outer.right + 1 || r.right > width + 1; })
+            .map(t => t.textContent.trim().slice(0, 40)); }""", selector)
+
+
 def in_viewport(page, selector: str) -> bool:
     """Whether the element's box lies inside the window (a message the user can read without scrolling)."""
     top, bottom, height = page.evaluate("s => { const r = document.querySelector(s).getBoundingClientRect(); "
@@ -392,4 +406,46 @@ def test_the_tabs_are_in_sight_on_a_phone(browser, served, shots):  # noqa: F811
     assert page.locator(".modebar-container").evaluate_all("els => els.filter(e => e.offsetParent).length") == 0
     assert not overlapping_cell_labels(page, "#matrix-plot"), "two heatmap labels overlap on a phone"
     page.screenshot(path=shots / "11_phone_live.png", full_page=True)
+    page.close()
+
+
+def test_no_text_is_cut_at_phone_width(browser, served, shots):  # noqa: F811
+    """At 390 x 844 (issue 46), no text of the race table, the hardware chart or the matrix is cut: after a Live run,
+    the matrix's title and the hardware chart's labels lie inside their figures; after a race, every cell of the
+    race table lies inside the table's box and the window, the identical column among them, with no sideways
+    scrolling."""
+    page = browser.new_page(viewport={"width": 390, "height": 844})
+    page.goto(served)
+    page.wait_for_selector("#run")
+    page.wait_for_timeout(1000)
+    tokens_box = page.locator("#max-new input[type=number]")
+    tokens_box.fill("16")
+    tokens_box.press("Enter")
+    page.click("#run")
+    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 120,
+             polling=500)
+    wait_for(page, "() => !!document.querySelector('#projection-plot .main-svg .bars, #projection-plot .main-svg "
+                   ".barlayer .trace')", 30, polling=500)
+    page.wait_for_timeout(1000)
+    assert page.locator("#matrix-plot .gtitle").count() == 1
+    cut = {figure: clipped_texts(page, figure) for figure in ("#matrix-plot", "#projection-plot")}
+    page.screenshot(path=shots / "13_phone_live_figures.png", full_page=True)
+    assert cut == {"#matrix-plot": [], "#projection-plot": []}, cut
+    page.get_by_role("tab", name=re.compile("^Race")).click()
+    race_tokens = page.locator("#race-max-new input[type=number]")
+    race_tokens.fill(str(RACE_TOKENS))
+    race_tokens.press("Enter")
+    page.click("#race-run")
+    wait_for(page, "() => !!document.querySelector('#race-table tr[data-method=tr]')", 300, polling=500)
+    page.wait_for_timeout(1000)
+    page.screenshot(path=shots / "14_phone_race.png", full_page=True)
+    assert clipped_texts(page, "#race-table") == []
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390  # no sideways scrolling of the page
+    scroller = page.evaluate("""() => [...document.querySelectorAll('#race-table *')]
+        .filter(e => e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== 'visible')
+        .map(e => e.tagName + '.' + e.className)""")
+    assert scroller == [], f"the race table scrolls sideways: {scroller}"
+    verdicts = page.locator("#race-table td.tr-same, #race-table td.tr-differs")  # the identical column
+    boxes = [cell.bounding_box() for cell in verdicts.all()]
+    assert len(boxes) == 4 and all(0 <= b["x"] and b["x"] + b["width"] <= 390 for b in boxes), boxes
     page.close()

@@ -116,7 +116,10 @@ def _prepared(embedded, mode: str, fmt: str | None = None):
                    for n, ms in by.items() if n in names}
         invariant = row_invariant({s: (ls[0].out_features, ls[0].in_features)
                                    for s, ls in linear_shapes(model).items()}, names)
-        plan = make_plan(mode, timings, plan.counts, names, invariant=invariant)
+        try:
+            plan = make_plan(mode, timings, plan.counts, names, invariant=invariant)
+        except ValueError:  # none of the format's layouts is row-invariant here for some shape: none has timings
+            pytest.skip(f"no row-invariant {fmt} layout on this CPU for every shape ({invariant})")
         if plan.fmt != fmt:
             pytest.skip(f"no row-invariant {fmt} layout on this CPU")
     prepare_model(model, mode, plan)

@@ -93,8 +93,12 @@ def test_embedded_model_every_method_equals_plain_on_the_torch_backend(embedded)
     from tr_core.engine import Engine, EngineConfig
 
     model, tokenizer = embedded
+    from tr_core.fixed import TILE
+
     engine = Engine(tiny_copy(model), tokenizer, EngineConfig(backend="torch", tree="small"))
-    assert engine.rows == 16 and engine.backend.name == "torch"
+    # the rows are fitted on this machine's own t(N) (a tree the chooser sizes, rounded up to TILE): measured, so
+    # not a number to expect (16 on one run here, 8 on another); a draft larger than them is cut to them
+    assert engine.rows >= TILE and engine.rows % TILE == 0 and engine.backend.name == "torch"
     ids = engine.encode("Explain in two sentences why the sky is blue, then repeat it.")
     for sampling in (None, Sampling(temperature=0.7, seed=2)):
         plain = engine.generate(ids, 24, method="plain", sampling=sampling).token_ids

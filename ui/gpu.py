@@ -41,7 +41,7 @@ def _clamp(s: float) -> int:
 
 
 def live_seconds(*args, **values) -> int:
-    """A Live run: the method's tokens and plain decoding's alongside.
+    """A Live run: the method's tokens, then plain decoding's of the same prompt.
 
     >>> live_seconds(max_new_tokens=128), live_seconds(max_new_tokens=4000)
     (32, 120)
