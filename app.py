@@ -165,8 +165,10 @@ APP_CSS = """
   #intro p { font-size: 13px; }
   .tr-stat { padding: 2px 8px; }
   .tr-stat b { font-size: 18px; }
+  .tr-wide-only { display: none; }
   .tr-table { font-size: 12px; }
-  .tr-table th, .tr-table td { padding: 3px 3px; overflow-wrap: anywhere; }
+  /* words wrap whole (a word broken mid-way, "identi-cal", read badly); the columns still fit 390 px */
+  .tr-table th, .tr-table td { padding: 3px 2px; overflow-wrap: normal; }
 }
 """
 

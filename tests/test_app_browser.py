@@ -428,9 +428,9 @@ def test_no_text_is_cut_at_phone_width(browser, served, shots):  # noqa: F811
                    ".barlayer .trace')", 30, polling=500)
     page.wait_for_timeout(1000)
     assert page.locator("#matrix-plot .gtitle").count() == 1
-    cut = {figure: clipped_texts(page, figure) for figure in ("#matrix-plot", "#projection-plot")}
+    cut = {part: clipped_texts(page, part) for part in ("#matrix-plot", "#projection-plot", "#history")}
     page.screenshot(path=shots / "13_phone_live_figures.png", full_page=True)
-    assert cut == {"#matrix-plot": [], "#projection-plot": []}, cut
+    assert cut == {"#matrix-plot": [], "#projection-plot": [], "#history": []}, cut  # the runs table too
     page.get_by_role("tab", name=re.compile("^Race")).click()
     race_tokens = page.locator("#race-max-new input[type=number]")
     race_tokens.fill(str(RACE_TOKENS))
@@ -441,10 +441,10 @@ def test_no_text_is_cut_at_phone_width(browser, served, shots):  # noqa: F811
     page.screenshot(path=shots / "14_phone_race.png", full_page=True)
     assert clipped_texts(page, "#race-table") == []
     assert page.evaluate("() => document.documentElement.scrollWidth") <= 390  # no sideways scrolling of the page
-    scroller = page.evaluate("""() => [...document.querySelectorAll('#race-table *')]
+    scroller = page.evaluate("""() => [...document.querySelectorAll('#race-table *, #history *')]
         .filter(e => e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== 'visible')
         .map(e => e.tagName + '.' + e.className)""")
-    assert scroller == [], f"the race table scrolls sideways: {scroller}"
+    assert scroller == [], f"the race table or the runs table scrolls sideways: {scroller}"
     verdicts = page.locator("#race-table td.tr-same, #race-table td.tr-differs")  # the identical column
     boxes = [cell.bounding_box() for cell in verdicts.all()]
     assert len(boxes) == 4 and all(0 <= b["x"] and b["x"] + b["width"] <= 390 for b in boxes), boxes

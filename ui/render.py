@@ -234,7 +234,8 @@ def race_table_html(rounds: Mapping[str, Sequence[RaceRun]], decode, tree: str |
             diffs.append(difference_html(plain, other, decode))
     n = len(rounds["plain"])
     head = (f"<tr><th>method</th><th>output vs plain decoding</th><th>tokens/s: median of {n} (range)</th>"
-            f"<th>speedup over plain: median (range)</th><th>{escape(TOKENS_PER_PASS)}</th>"
+            f"<th>speedup over plain: median (range)</th><th><span class=\"tr-wide-only\">{escape(TOKENS_PER_PASS)}"
+            '</span><span class="tr-narrow-only">tokens per pass</span></th>'
             '<th class="tr-minor">cost of one forward pass, against a one-token pass</th>'
             '<th class="tr-minor">decoding steps</th></tr>')
     # the speedup is the median of the rounds' own ratios (each round's tokens/s over that round's plain decoding),
