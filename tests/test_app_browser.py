@@ -347,18 +347,24 @@ def test_a_refused_prompt_gets_a_clear_message_and_the_next_run_works(browser, s
 
 def test_lives_speedup_with_the_page_open_agrees_with_the_race(browser, served, shots):  # noqa: F811
     """The default Live run, watched in a browser on the machine that decodes, measures about the speedup the race
-    measures for the same prompt and settings: within the race's range over its rounds, widened by 0.1 (issue 46).
-    Live times plain decoding after the run, each lane waiting out the browser's drawing of each frame and warming
-    the cores before its next step (ui.run.PlainAlongside, ui.quiet); before that it read 0.73-0.90x here where the
-    race read 1.03-1.19x."""
+    measures for the same prompt and settings: within the race's range over its rounds, widened by 0.1 (issue 46);
+    two Live runs from the shipped hot start (Reset between them: a run teaches the matrix), their mean. Live times
+    plain decoding after the run, each lane waiting out the browser's drawing of each frame and warming the cores
+    before its next step (ui.run.PlainAlongside, ui.quiet); before that one run read 0.73-0.90x here where the race
+    read 1.03-1.19x; with it, runs read 1.04-1.09x against races of 1.08-1.13x and 1.09-1.18x."""
     page = browser.new_page(viewport={"width": 1366, "height": 900})
     page.goto(served)
     page.wait_for_selector("#run")
     page.wait_for_timeout(1000)
-    page.click("#run")  # the defaults: the bicycle prompt, the small tree, 64 new tokens, the shipped hot start
-    wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')", 180,
-             polling=500)
-    live = float(page.locator('#counters .tr-stat[data-key="speedup"]').get_attribute("data-value"))
+    lives = []
+    for _ in range(2):
+        page.click("#reset")  # the shipped hot start, as the race starts every method
+        wait_for(page, "() => document.querySelector('#answer').textContent.includes('Reset')", 30, polling=200)
+        page.click("#run")  # the defaults: the bicycle prompt, the small tree, 64 new tokens
+        wait_for(page, "() => document.querySelector('#counters .tr-status').textContent.startsWith('finished:')",
+                 180, polling=500)
+        lives.append(float(page.locator('#counters .tr-stat[data-key="speedup"]').get_attribute("data-value")))
+    live = sum(lives) / 2
     passes = page.locator('#counters .tr-stat[data-key="tokens_per_pass"]').get_attribute("data-value")
     page.get_by_role("tab", name=re.compile("^Race")).click()
     wait_for(page, "p => document.querySelector('#race-prompt textarea')?.value === p", 10, PROMPT)
@@ -366,9 +372,10 @@ def test_lives_speedup_with_the_page_open_agrees_with_the_race(browser, served, 
     wait_for(page, "() => !!document.querySelector('#race-table tr[data-method=tr]')", 300, polling=500)
     row = page.locator("#race-table tr[data-method=tr]")
     low, high = (float(row.get_attribute(f"data-speedup-{end}")) for end in ("low", "high"))
-    print(f"Live with the page open: {live:.2f}x at {passes} tokens per pass; the race: {low:.2f}-{high:.2f}x")
+    print(f"Live with the page open: {live:.2f}x ({lives}) at {passes} tokens per pass; the race: "
+          f"{low:.2f}-{high:.2f}x")
     page.screenshot(path=shots / "12_live_vs_race.png", full_page=True)
-    assert low - 0.1 <= live <= high + 0.1, (live, low, high)
+    assert low - 0.1 <= live <= high + 0.1, (lives, low, high)
     page.close()
 
 
