@@ -3,10 +3,12 @@
 A page open on the machine that serves it (the app on a laptop) draws every frame the server streams, and on a
 small CPU that drawing kept about one core busy for the whole of a live run (Chromium, 2 vCPUs: 0.8-1.2 cores, in
 25 ms windows, against 0.0-0.4 with the page idle). Whatever step ran while the browser drew was billed for it, and
-within a live step that was Token Recycling's, which runs first after a frame: the page said 0.82-0.88x where the
-same run measured 1.0-1.1x through the API. So after each frame it sends, a run waits, untimed, until the other
-processes of this machine use no more CPU than they did before the run (``Quiet.wait``), then times its next step.
-Where the browser runs elsewhere (a Space, an API client) the first window already reads quiet.
+within a live step that was Token Recycling's, which ran first after a frame: the page said 0.82-0.88x where the
+same run measured 1.0-1.1x through the API. So after each frame it sends, a run waits, untimed, until everything on
+this machine but the decoding thread (other processes such as the browser, and this process's other threads: the
+server encoding the frame, an API client in the same process) uses no more CPU than before the run (``Quiet.wait``),
+then times its next step. Where the browser runs elsewhere (a Space, a remote API client) the first windows already
+read quiet.
 
 A wait leaves the CPU idle, and the first pass after it ran slower: on the 2-vCPU machine a Token Recycling tree
 pass (13 rows, exact mode) took 3.3 ms more right after a 60 ms sleep than the passes after it (77.6 against 74.1-74.4
@@ -20,8 +22,8 @@ does not wait between steps) does not see. So after the quiet windows the wait k
     ...send a frame...
     quiet.wait()             # returns once they are back to it (or after ``cap_s``) and the cores are warm again
 
-The CPU figures come from ``psutil`` (the kernel's counters, every process but this one); where they cannot be read
-the wait returns at once and ``available`` says so.
+The CPU figures come from ``psutil`` (the kernel's counters for the whole machine) less the calling thread's own
+time; where they cannot be read the wait returns at once and ``available`` says so.
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ except ImportError:  # pragma: no cover - pinned in requirements.txt
     psutil = None
 
 # A window's reading is other processes' CPU over the window in cores. The kernel counts in ticks of 10 ms a core, so
-# over 25 ms on 2 cores one tick more or less reads as 0.4 cores: "quiet" is the background plus half a core.
-WINDOW_S = 0.025
-ABOVE_BACKGROUND = 0.5
+# over 50 ms one tick more or less reads as 0.2 cores: "quiet" is the background plus a quarter of a core. (With 25 ms
+# windows a tick read 0.4 cores, so quiet had to allow half a core, and a browser still drawing at under half a core
+# passed for quiet: with Chromium open on the page, Live read 1.04-1.06x against a race of 1.08-1.13x on the default
+# prompt, 0.97x against 1.07-1.13x on the Fibonacci example; with 50 ms windows 1.09-1.15x against 1.17-1.22x and
+# 1.01-1.02x against 1.04-1.05x, one run of each.)
+WINDOW_S = 0.05
+ABOVE_BACKGROUND = 0.25
 CAP_S = 0.6  # the longest wait after one frame; a machine busy for longer is said so (``capped``)
 # A browser's drawing of a frame is many tasks with short gaps between them (one window in a busy stretch read 0.4
 # cores): quiet is this many windows in a row; the frame leaves as the wait starts, so the first windows may come
@@ -53,7 +59,7 @@ _recent: deque = deque(maxlen=RECENT)
 # A first run read its one window then, as 1 core or so, took that for the background and waited for nothing: with
 # Chromium open on the page, 0.73x where the race read 1.03-1.14x.
 IDLE = 0.1
-BACKGROUND_WINDOWS = 20
+BACKGROUND_WINDOWS = 10
 # Busy time after a wait, before the next timed step: the cores back at speed (see above). Longer only costs wall time.
 WARM_S = 0.03
 
@@ -92,10 +98,10 @@ class Quiet:
 
     >>> now = [0.0]
     >>> def sleep(s): now[0] += s
-    >>> used = iter([0.0, 0.0, 0.0,   0.0, 0.025,  0.025, 0.030,  0.030, 0.030]).__next__  # idle; 1 core, 0.2, 0
+    >>> used = iter([0.0, 0.0, 0.0,   0.0, 0.025,  0.025, 0.030,  0.030, 0.030]).__next__  # idle; 0.5 core, 0.1, 0
     >>> quiet = Quiet(others=used, clock=lambda: now[0], sleep=sleep, recent=deque(maxlen=RECENT), warm=sleep)
     >>> round(quiet.background, 2), round(quiet.wait(), 3), quiet.frames, quiet.capped
-    (0.0, 0.105, 1, 0)
+    (0.0, 0.18, 1, 0)
     """
 
     def __init__(self, others: Callable[[], float | None] = other_cpu_seconds, clock: Callable[[], float] =
