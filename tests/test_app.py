@@ -480,9 +480,15 @@ def test_a_live_run_gives_one_snapshot_per_step_and_leaves_its_record(tiny_model
     assert measuring and measuring[0].baseline is None
     plain_tokens = [int(s.baseline.source.split(": ")[1].split(" tokens")[0]) for s in measuring[1:]]
     assert plain_tokens == list(range(1, 13)) and all(len(s.events) == len(events) for s in measuring)
-    for snap in measuring[1:]:
+    for snap, tokens in zip(measuring[1:], plain_tokens):
         assert snap.baseline.source.startswith("plain decoding of your prompt, measured right after your run so far")
         assert snap.baseline.identical is None and not snap.baseline.final
+        # the speedup so far compares the same stretch: the run's rate over its first steps that reached as many
+        # tokens as plain decoding has, not over the whole answer against plain decoding's first tokens
+        reached = next(e for e in events if e.total_tokens >= tokens)
+        assert snap.baseline.run_tokens_per_s == pytest.approx(reached.total_tokens / reached.elapsed_s)
+        tile = re.search(r'data-key="speedup" data-value="([\d.]+)"', counters_html(snap.rates, "", "", snap.baseline))
+        assert float(tile.group(1)) == round(snap.baseline.run_tokens_per_s / snap.baseline.tokens_per_s, 2)
     baseline = snaps[-1].baseline
     assert baseline.tokens_per_s > 0 and baseline.ms_per_token > 0 and session.live.baseline is baseline
     assert baseline.source.startswith("plain decoding of your prompt, measured right after your run: 12 tokens, ")

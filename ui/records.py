@@ -26,6 +26,9 @@ class Baseline:
     source: str  # e.g. "plain decoding of your prompt, measured alongside your run: ..." (ui.run.PlainAlongside)
     identical: bool | None = None  # whether plain decoding gave the run's very tokens
     final: bool = True  # False while the run goes on: plain decoding's speed so far
+    # while plain decoding is measured after the run (not final): the run's own tokens/s over its first steps that
+    # reached plain decoding's token count so far, so that the speedup so far compares the same stretch of the answer
+    run_tokens_per_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -118,10 +118,12 @@ def counters_html(c: Rates, status: str = "", note: str = "", baseline: Baseline
              ("tokens_per_s", f"{c.tokens_per_s:.1f}", "tokens/s, this run (whole answer, prefill included)")]
     if baseline is not None:
         so_far = "" if baseline.final else ", so far"
+        run = c.tokens_per_s if baseline.final or baseline.run_tokens_per_s is None else baseline.run_tokens_per_s
         stats += [("plain_tokens_per_s", f"{baseline.tokens_per_s:.1f}", "tokens/s of plain decoding, same prompt "
                    f"and length{so_far}"),
-                  ("speedup", f"{speedup(c.tokens_per_s, baseline.tokens_per_s):.2f}×", f"plain decoding's speed"
-                   f"{so_far}")]
+                  ("speedup", f"{speedup(run, baseline.tokens_per_s):.2f}×", "plain decoding's speed" + (
+                      "" if baseline.final else ", so far: both over the answer's start that plain decoding has "
+                                                "reached"))]
     tiles = "".join(f'<div class="tr-stat" data-key="{key}" data-value="{value.rstrip("×")}"><b>{value}</b>'
                     f"<span>{escape(name)}</span></div>" for key, value, name in stats)
     same, about = "", ""

@@ -288,10 +288,14 @@ class PlainAlongside:
         so_far = "" if final else " so far"
         source = (f"plain decoding of your prompt, measured right after your run{so_far}: {self.tokens} tokens, "
                   "decoded and timed on its own, as a round of the race times each method")
-        same = None
+        same, along = None, None
         if final:
             same = [t for e in self.events for t in e.new_tokens] == [t for e in events for t in e.new_tokens]
-        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, same, final)
+        else:  # the run over the same stretch: its first steps up to plain decoding's token count so far
+            reached = next((e for e in events if e.total_tokens >= self.tokens), events[-1] if events else None)
+            if reached is not None and reached.elapsed_s > 0:
+                along = reached.total_tokens / reached.elapsed_s
+        return Baseline(rates.tokens_per_s, ms_per_step(self.events), source, same, final, along)
 
 
 def where(engine: Engine) -> str:
