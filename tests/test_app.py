@@ -128,7 +128,7 @@ def test_counters_show_one_speed_per_method_and_the_one_speedup():
     assert "<details" in page and SPEEDUP_DEFINITION not in status  # how plain was measured: folded, in the details
     differs = counters_html(Rates(4, 10, 2.0), baseline=Baseline(4.0, 50.0, "x", False))
     assert "DIFFER" in visible_text(differs)
-    # while the run goes on (plain decoding measured alongside): the speed so far, and no paragraph yet
+    # while plain decoding is measured after the run: the speed so far, and no paragraph yet
     so_far = visible_text(counters_html(Rates(2, 5, 1.0), "running", baseline=Baseline(4.0, 50.0, "y", None, False)))
     assert "plain decoding's speed, so far" in so_far and "Plain decoding: y" not in so_far
 

@@ -23,7 +23,7 @@ class Baseline:
 
     tokens_per_s: float  # over the whole answer, prefill included (tr_core.stats.SPEEDUP_DEFINITION)
     ms_per_token: float  # its decoding steps' mean time
-    source: str  # e.g. "plain decoding of your prompt, measured alongside your run: ..." (ui.run.PlainAlongside)
+    source: str  # e.g. "plain decoding of your prompt, measured right after your run: ..." (ui.run.PlainAlongside)
     identical: bool | None = None  # whether plain decoding gave the run's very tokens
     final: bool = True  # False while the run goes on: plain decoding's speed so far
     # while plain decoding is measured after the run (not final): the run's own tokens/s over its first steps that

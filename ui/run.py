@@ -178,14 +178,12 @@ class _ModelRun(Stoppable):
     def __init__(self, session: Session, models: ModelCache, settings: Settings):
         self.session, self.models, self.settings = session, models, settings
         self.quiet: Quiet | None = None  # made by ``prepare``: the machine's background use of the CPU
-        self.frames_sent = 0
 
     def settle(self) -> None:
         """A frame was sent: wait, untimed, until the machine's other processes (a browser drawing it on this
         machine) are back to their use before the run (``ui.quiet``), so that no timed step pays for the drawing."""
         if self.quiet is not None:
             self.quiet.wait()
-        self.frames_sent += 1
 
     @property
     def needs_loading(self) -> bool:
