@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..backend import device_name
+from ..cachefiles import write_atomically
 from ..models import default_cache_dir, file_name
 from ..topk import greedy_and_top_k
 from ..tree import build_tree, chain_tree, load_template
@@ -95,5 +96,5 @@ def rows_curve(model: PreTrainedModel, prefix: int = 256, sizes: Sequence[int] |
         curve[n] = running
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(curve, indent=1))
+        write_atomically(path, json.dumps(curve, indent=1))
     return curve

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .. import topk
+from ..cachefiles import write_atomically
 from ..models import default_cache_dir, max_positions
 from ..topk import top_k
 from ..tree import build_tree, load_template
@@ -160,7 +161,7 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     result = paired_curve(times)
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        write_atomically(path, json.dumps(result, indent=1))
     return result
 
 
@@ -310,7 +311,7 @@ def cached_bandwidth_gbs() -> float:
         return float(json.loads(path.read_text())["read_gbs"])
     gbs = read_bandwidth_gbs()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"read_gbs": gbs}))
+    write_atomically(path, json.dumps({"read_gbs": gbs}))
     return gbs
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..assets import acceptance_stats
 from ..budget import expected_tokens
+from ..cachefiles import write_atomically
 from . import layouts, pages
 from .layouts import HEAD, LAYOUTS, KernelPlan
 
@@ -370,7 +371,7 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
             _LATEST[mode] = said
     if cache and not busy:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"steps": steps, "retimed": retimed}, indent=1))
+        write_atomically(path, json.dumps({"steps": steps, "retimed": retimed}, indent=1))
     return steps, layouts.BUSY_SOURCE if busy else "measured here", retimed
 
 

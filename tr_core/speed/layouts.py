@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..cachefiles import write_atomically
 from . import pages
 
 # Row counts timed: one token (plain decoding) up to the largest shipped tree (the paper's, 81 nodes). A row count in
@@ -912,7 +913,7 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = [[s, r, name, ms] for (s, r, name), ms in sorted(timings.items())]
         rows += [[s, r, INSIDE + name, ms] for (s, r, name), ms in sorted(inside.items())]
-        path.write_text(json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+        write_atomically(path, json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                                     "invariant": invariant, "timings": rows}, indent=0))
     return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside)
 
