@@ -23,6 +23,7 @@ OLD_CATEGORY_KEYS = {"forward_ms_per_step", "identical", "mean_accepted_tokens",
                      "overhead_ms_per_step", "questions", "speedup", "step_ms_per_token", "tokens_per_s"}
 OLD_METHOD_KEYS = OLD_CATEGORY_KEYS | {"accepted_length_histogram", "by_category", "first_differences"}
 NEW_KEYS = {"speedup_median", "speedup_ci95", "verdict"}  # overall and in each category
+RUN_FILES = ["log.jsonl", "plan.json", "questions.jsonl", "report.md", "results.json", "state"]
 
 
 def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
@@ -59,7 +60,8 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert results["methods"]["plain"]["mean_accepted_tokens"] == 1.0
     assert results["config"]["hot_start_carried_across_questions"] is True
     assert "## overall" in printed and "| tr-paper |" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]  # tr_core draws nothing
+    # the run's folder: its plan, a line per question, the shards' state, the log; tr_core draws nothing
+    assert sorted(p.name for p in out.iterdir()) == RUN_FILES
     assert results["methods"]["tr-paper"]["tree_nodes"] == 81 and results["config"]["compiled"] is False
     # where the time went: steps per token, and the time each question spent outside its steps (its prefill)
     for m in results["methods"].values():
@@ -70,7 +72,7 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert "t(N) ms over 4 contexts of" in printed
     # the charts come from results.json, drawn by visualize through benchmark.py
     assert benchmark.main(["--charts-only", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json", "speedup.html", "tree_size.html"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(RUN_FILES + ["speedup.html", "tree_size.html"])
     speedup, tree_size = (out / "speedup.html").read_text(), (out / "tree_size.html").read_text()
     assert '"tr-paper"' in speedup and "tr-cold" in speedup
     assert "tr-paper (measured)" in tree_size and "plotly" in tree_size

@@ -36,11 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
+import socket
 import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -70,6 +72,8 @@ from .results import (
     temperature_summary,
     through_run_sizes,
 )
+from .run_folder import RunFolder, RunFolderError, plan_shards
+from .workers import LocalPool, Unit, drive
 
 UNPADDED = "plain-unpadded"  # the torch backend's plain decoding at one row a pass (a speed baseline, not a method)
 ALL_METHODS = ("plain", "pld", "suffix", "rest", "lookahead", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic",
@@ -251,6 +255,22 @@ def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentPars
     p.add_argument("--recalibrate-every", type=int, default=10,
                    help="measure t(N) again after every this many questions (0: only before and after the run), for "
                         "the prediction from t(N) through the run (default 10)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="deal the questions into this many shards, stratified by category: a shard is decoded on one "
+                        "worker, the hot-start matrix carried across its questions, each shard from the shipped hot "
+                        "start (default: one per worker, so 1 without --ray)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the shards on Ray workers: a local Ray on this machine's cores (no ADDRESS), or the "
+                        "running cluster at ADDRESS (e.g. ray://head:10001 or auto); every ratio is still measured "
+                        "inside one worker")
+    p.add_argument("--workers", type=int, default=None,
+                   help="how many Ray workers (default: as many as the cluster's CPUs hold, --threads each)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of each worker; with --ray, the CPUs each worker reserves (default: torch's "
+                        "own without --ray, 1 with it)")
+    p.add_argument("--resume", default=None, metavar="FOLDER",
+                   help="go on with the run whose folder this is (its --out), skipping the questions already in its "
+                        "questions.jsonl; the run's own options are kept")
     return p
 
 
@@ -281,126 +301,407 @@ def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids:
                   [round(r.elapsed_s, 4) for r in rounds], sum(len(e.tree_tokens) - 1 for e in res.events))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+EXIT_ONCE = "TR_BENCH_EXIT_ONCE"  # a test hook: "MARKER:QUESTION_ID" ends a worker's process once, mid-question
+# The options that set what a run measures; --resume takes them from the run's plan. The others (where the run's
+# folder is, which workers run it) may change from one session of a run to the next.
+SESSION_OPTIONS = ("out", "resume", "ray", "workers", "threads")
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
     if "plain" not in methods:
         methods.insert(0, "plain")  # speedups are over plain decoding
+    return methods
+
+
+class BenchWorker:
+    """One worker's part of a run: it loads the model once, measures t(N) on its own machine and fits its trees on
+    it, warms up, then decodes the questions it is given, one call each, every method in rounds (``measure_question``).
+
+    A call names its unit (temperature, shard), the question's place in the shard and the state the unit carries to
+    it (``state``: the bytes the previous call returned; None at place 0). The worker holds the unit's runners between
+    calls, so the state is only read when a call does not follow on from the worker's last one: after a restart, or
+    when another worker ran the unit before. In the process (no Ray) or as a Ray actor (``bench_ray``)."""
+
+    def __init__(self, options: dict, questions: list[dict], name: str = "w0", threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        args = self.args = argparse.Namespace(**options)
+        self.name = name
+        self.worker_id = f"{name}-{socket.gethostname()}-{os.getpid()}"
+        self.samplings = [None if t is None else Sampling(t, seed=args.seed)
+                          for t in parse_temperatures(args.temperatures)]
+        self.questions = {q["question_id"]: Question(**q) for q in questions}
+        base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode, device=args.device,
+                                                    backend=args.backend, rows=args.rows))
+        self.prompts = {qid: encode_prompt(base.tokenizer, q.prompt) for qid, q in self.questions.items()}
+        # the tree is fitted for the contexts these questions decode over: a typical step of each sees its prompt and
+        # about half of its answer, and t(N) is averaged over them (a step's cost is not linear in its context)
+        self.fit_context = args.fit_context or question_contexts([len(ids) for ids in self.prompts.values()],
+                                                                 args.max_new_tokens)
+        self.base = base = base.with_config(fit_context=self.fit_context)
+        self.hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
+        load_before = os.getloadavg()[0]
+        # t(N) measured anew now, before the engines fit their trees on it: a calibration cached hours ago, on a
+        # shared machine, is no prediction for this run (measured again after the run, to show how far it moved)
+        self.curve = step_curve(base, self.fit_context, remeasure=True)
+        self.templates = build_runners(base, parse_methods(args.methods), self.hot, self.samplings[0])
+        warm = "Say hello in one short sentence."
+        for r in self.templates:  # warm-up, on a throwaway copy of the matrix
+            r.run(base.encode(warm), 16, r.engine.with_matrix(r.engine.matrix.clone()))
+        self._learned = pickle.dumps({r.name: r.engine.learners for r in self.templates})  # after the warm-up
+        self._start = {r.name: r.engine.matrix for r in self.templates if r.carries_matrix}
+        # t(N) sampled through the run, at the sizes the fitted trees run: the machine's cost curve moves within
+        # minutes (t(4) / t(1) went from 1.10 to 1.24 during one 6-minute run here), which one calibration misses
+        self.sizes = through_run_sizes([r.engine.tree.size for r in self.templates if r.engine.fitted], self.curve)
+        self.through = [{n: interpolate(self.curve, n) for n in self.sizes}]
+        self.ran = 0
+        self.held: tuple[tuple[int, int], int, list[MethodRunner]] | None = None
+        self.exit_once = options.get("exit_once")
+        fitted = next((r.engine.fitted for r in self.templates if r.engine.fitted), None)
+        self.info = {
+            "kind": "worker", "worker_id": self.worker_id, "worker": name, "host": socket.gethostname(),
+            "pid": os.getpid(), "machine": device_name(base.model.device), "cpu": cpu_name(),
+            "device": str(base.model.device), "threads": torch.get_num_threads(), "dtype": str(base.model.dtype),
+            "mode_note": base.mode_note(), "backend": base.backend_name, "backend_note": base.backend.describe(),
+            "rows": base.rows, "load_average_before": round(load_before, 2), "t_n_ms": self.curve,
+            "fit_context": describe_context(self.fit_context),
+            "fit_context_weights": None if isinstance(self.fit_context, int) else {
+                str(g): round(w, 4) for g, w in context_weights(self.fit_context).items()},
+            "hot_start": self.hot.name if self.hot else None, "round_order": [r.name for r in self.templates],
+            "lookahead_size": next((r.engine.lookahead_size() for r in self.templates if r.name == "lookahead"),
+                                   None),
+            "fitted_tree": None if not fitted else {
+                "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
+                "node_paths": [list(p) for p in fitted.tree.node_paths],
+                "predicted_mean_accepted_tokens": round(fitted.expected_accepted, 4),
+                "predicted_speedup": round(fitted.predicted_speedup, 4), "table": fitted.table},
+            "trees": {r.name: {"method": r.method, "nodes": r.engine.tree.size, **({
+                "predicted_mean_accepted_tokens": round(r.engine.fitted.expected_accepted, 4),
+                "predicted_speedup": round(r.engine.fitted.predicted_speedup, 4)} if r.engine.fitted else {})}
+                for r in self.templates if r.method == "tr"},
+        }
+        self.introduced = False
+
+    def ready(self) -> dict:
+        """What the worker is (a Ray actor answers once it has set up)."""
+        return self.info
+
+    def _fresh(self, temperature: int) -> list[MethodRunner]:
+        """The runners of a unit's first question: the hot-start matrices, what the warm-up taught."""
+        learned = pickle.loads(self._learned)
+        runners = []
+        for t in self.templates:
+            engine = t.engine.with_matrix(t.engine.fresh_matrix())
+            engine.learners = learned[t.name]
+            runners.append(MethodRunner(t.name, engine, t.method, t.reset_each_question,
+                                        sampling=self.samplings[temperature]))
+        return runners
+
+    def state(self, runners: list[MethodRunner]) -> bytes:
+        """What a unit carries to its next question: each carried matrix as its rows changed since the hot start,
+        and every runner's learners (tree budgets, branch acceptance; shared objects stay shared)."""
+        return pickle.dumps({"matrices": {r.name: r.engine.matrix.delta_from(self._start[r.name])
+                                          for r in runners if r.carries_matrix},
+                             "learners": {r.name: r.engine.learners for r in runners}})
+
+    def _restored(self, temperature: int, state: bytes) -> list[MethodRunner]:
+        saved = pickle.loads(state)
+        runners = self._fresh(temperature)
+        for r in runners:
+            if r.name in saved["matrices"]:
+                r.engine = r.engine.with_matrix(saved["matrices"][r.name].applied_to(self._start[r.name]))
+            r.engine.learners = saved["learners"][r.name]
+        return runners
+
+    def run_question(self, unit: tuple[int, int], position: int, question_id: int,
+                     state: bytes | None) -> tuple[dict, bytes]:
+        """Decode one question of ``unit`` at ``position`` with every method; its line for ``questions.jsonl`` and
+        the state the unit carries to its next question."""
+        unit = tuple(unit)
+        if self.held and self.held[:2] == (unit, position):
+            runners = self.held[2]
+        elif state is not None:
+            runners = self._restored(unit[0], state)
+        elif position == 0:
+            runners = self._fresh(unit[0])
+        else:
+            raise ValueError(f"unit {unit} at place {position} needs the state its earlier questions left")
+        q, ids = self.questions[question_id], self.prompts[question_id]
+        on_run = self._exit_hook(question_id)
+        rounds = measure_question(runners, ids, self.args.max_new_tokens, self.args.rounds, position, on_run)
+        plain_ids = median_round(rounds["plain"], seconds=lambda r: r.elapsed_s).token_ids  # every round alike
+        records = {r.name: asdict(record(q, r.name, rounds[r.name], plain_ids, self.base, ids)) for r in runners}
+        self.ran += 1
+        every = self.args.recalibrate_every
+        if unit[0] == 0 and every and self.ran % every == 0:
+            self.through.append(step_curve(self.base, self.fit_context, use_cache_file=False, sizes=self.sizes))
+        line = {"temperature_index": unit[0], "shard": unit[1], "position": position, "question_id": question_id,
+                "category": q.category, "worker_id": self.worker_id, "machine": self.info["machine"],
+                "threads": self.info["threads"], "plain_token_ids": plain_ids, "records": records}
+        if not self.introduced:  # a worker's first line says what it is (a restarted worker says so again)
+            line["worker_info"], self.introduced = self.info, True
+        self.held = (unit, position + 1, runners)
+        return line, self.state(runners)
+
+    def _exit_hook(self, question_id: int) -> Callable[[], None]:
+        """The test hook of ``EXIT_ONCE``: end this process after the first decoding of the question, once."""
+        if not self.exit_once or int(self.exit_once.rsplit(":", 1)[1]) != question_id:
+            return lambda: None
+        marker = Path(self.exit_once.rsplit(":", 1)[0])
+
+        def end():
+            if not marker.exists():
+                marker.write_text(self.worker_id)
+                os._exit(3)
+        return end
+
+    def finish(self) -> dict:
+        """t(N) after the worker's questions, and the mean of its calibrations through them."""
+        after = step_curve(self.base, self.fit_context, use_cache_file=False)
+        through = self.through + [{n: interpolate(after, n) for n in self.sizes}]
+        return {"kind": "worker_end", "worker_id": self.worker_id, "t_n_ms_after_run": after,
+                "t_n_ms_through_run": {n: statistics.mean(c[n] for c in through) for n in self.sizes},
+                "t_n_calibrations_through_run": len(through), "load_average_after": round(os.getloadavg()[0], 2),
+                "questions": self.ran}
+
+
+def resumed_options(p: argparse.ArgumentParser, args: argparse.Namespace, plan: dict) -> argparse.Namespace:
+    """``args`` of a ``--resume`` command: the run's own options from its plan, with this session's (``SESSION_
+    OPTIONS``); an option that would change what the run measures is refused."""
+    given = {k: v for k, v in vars(args).items() if k not in SESSION_OPTIONS and v != p.get_default(k)}
+    changed = {k: v for k, v in given.items() if plan["options"].get(k) != v}
+    if changed:
+        p.error("--resume goes on with the run's own options; these differ from its plan: "
+                + ", ".join(f"--{k.replace('_', '-')} {v} (the run's: {plan['options'].get(k)})"
+                            for k, v in changed.items()))
+    merged = {**plan["options"], **{k: getattr(args, k) for k in SESSION_OPTIONS}, "out": args.resume}
+    return argparse.Namespace(**merged)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    folder = RunFolder(args.resume or args.out)
+    plan = None
+    if args.resume:
+        try:
+            plan = folder.plan()
+        except RunFolderError as e:
+            p.error(str(e))
+        args = resumed_options(p, args, plan)
+    methods = parse_methods(args.methods)
     unknown = sorted(m for m in set(methods) - set(ALL_METHODS) if not _sized(m))
     if unknown or args.per_category < 1 or args.max_new_tokens < 1 or args.rounds < 1:
         p.error(f"unknown methods {unknown}" if unknown else
                 "--per-category, --max-new-tokens and --rounds must be >= 1")
-    if args.fit_context is not None and args.fit_context < 1:
-        p.error("--fit-context must be >= 1")
+    for name in ("fit_context", "shards", "workers", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
         samplings = [None if t is None else Sampling(t, seed=args.seed)
                      for t in parse_temperatures(args.temperatures)]
+        questions = stratified(load_questions(args.questions), args.per_category)
     except ValueError as e:
         p.error(str(e))
-
-    questions = stratified(load_questions(args.questions), args.per_category)
-    try:
-        base = Engine.load(args.model, EngineConfig(method="plain", tree="tiny", mode=args.mode, device=args.device,
-                                                    backend=args.backend, rows=args.rows))
-    except ValueError as e:
-        p.error(str(e))
-    prompts = [encode_prompt(base.tokenizer, q.prompt) for q in questions]
-    # the tree is fitted for the contexts these questions decode over: a typical step of each sees its prompt and
-    # about half of its answer, and t(N) is averaged over them (a step's cost is not linear in its context)
-    fit_context = args.fit_context or question_contexts([len(ids) for ids in prompts], args.max_new_tokens)
-    base = base.with_config(fit_context=fit_context)
-    hot = Path(base.shipped_matrix_path()) if base.shipped_matrix_path() else None
-    # t(N) measured anew now, before the engines fit their trees on it: a calibration cached hours ago, on a shared
-    # machine, is no prediction for this run (it is measured again after the run, to show how far the machine moved)
-    curve = step_curve(base, fit_context, remeasure=True)
-    runners = build_runners(base, methods, hot, samplings[0])
-    fitted = next((r.engine.fitted for r in runners if r.engine.fitted), None)
-    print(f"mode {base.mode_note()}; {base.backend.describe()}; "
-          f"torch threads {torch.get_num_threads()}")
+    ids = [q.question_id for q in questions]
+    if plan is None:
+        shards = args.shards or (args.workers or 0) or 1
+        if args.ray is not None and not args.shards and not args.workers:
+            shards = 0  # as many as the workers: known once Ray is up
+        plan = {"arguments": argv, "options": {k: v for k, v in vars(args).items() if k not in SESSION_OPTIONS},
+                "questions": ids, "temperatures": [None if s is None else s.temperature for s in samplings],
+                "shards": plan_shards([(q.question_id, q.category) for q in questions], shards) if shards else None}
+    elif plan["questions"] != ids:
+        p.error(f"the questions of {args.questions or 'Spec-Bench'} are not the ones the run in {folder.path} "
+                "started with")
+    started = time.perf_counter()  # the session's wall time counts the workers' setup (Ray's start, model, t(N))
+    options = {**plan["options"], "exit_once": os.environ.get(EXIT_ONCE)}
+    payload = [asdict(q) for q in questions]
     load_before = os.getloadavg()[0]
+    try:
+        if args.ray is None:
+            pool = LocalPool(lambda name: BenchWorker(options, payload, name, args.threads))
+        else:
+            from .workers import RayPool
+            gpus = 1 if (args.device or "").startswith("cuda") else 0
+            pool = RayPool(BenchWorker, (options, payload), None if args.ray == "local" else args.ray,
+                           args.workers, args.threads or 1, gpus)
+    except ValueError as e:
+        p.error(str(e))
+    if plan["shards"] is None:
+        plan["shards"] = plan_shards([(q.question_id, q.category) for q in questions], len(pool.workers))
+    try:
+        if not args.resume:
+            folder.start(plan)
+        return _run(args, folder, plan, pool, samplings, questions, load_before, started)
+    except RunFolderError as e:
+        p.error(str(e))
+    finally:
+        pool.close()
+
+
+def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_before: float, started: float) -> int:
+    done = folder.done()
+    units = []
+    for t in range(len(plan["temperatures"])):
+        for s, shard in enumerate(plan["shards"]):
+            position, state = folder.state(t, s)
+            units.append(Unit(t, s, shard, min(position, len(done.get((t, s), []))), state))
+    total = sum(len(u.ids) for u in units)
+    finished = sum(len(u.ids) - u.left for u in units)
     if load_before > 0.5:
         print(f"warning: load average {load_before:.1f} before the run: another process is using the CPU, and torch's "
               "threads slow down badly when they share cores; timings will be unreliable")
-    print(f"hot start: {hot.name if hot else 'none (no shipped matrix: cold start)'}, carried across questions; "
-          f"{args.rounds} round(s) a question, each from the matrix held before the question")
+    where = "this process" if args.ray is None else f"Ray ({pool.address})"
+    print(f"{total} question(s) in {len(plan['shards'])} shard(s) (drawn stratified by category), on "
+          f"{len(pool.workers)} worker(s) in {where}" + (f"; resumed: {finished} done before" if finished else ""))
+    bar = tqdm(total=total, initial=finished, desc="questions", unit="q")
+    names = {}
+
+    def on_line(line: dict, worker: str) -> None:
+        if "worker_info" in line:
+            info = line["worker_info"]
+            folder.log(info)
+            names[info["worker_id"]] = worker
+            print_worker(info, args)
+        bar.update(1)
+
+    def on_change(status: dict) -> None:
+        per = " ".join(f"{w}:{n}" for w, n in sorted(status["done"].items()))
+        bar.set_postfix_str(f"running {status['running']}, failed {status['failed']}" + (f"; {per}" if per else ""))
+
+    try:
+        status = drive(pool, folder, units, on_line, on_change)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: {len(folder.lines())} of {total} question(s) are in {folder.path / 'questions.jsonl'};"
+              f" go on with: python -m tr_core.tools.bench --resume {folder.path}")
+        return 130
+    bar.close()
+    wall = time.perf_counter() - started
+    for end in pool.finish():
+        folder.log(end)
+    ran = sum(status["done"].values())
+    folder.log({"kind": "session", "wall_s": round(wall, 1), "workers": len(pool.workers), "questions": ran,
+                "ray": None if args.ray is None else pool.address, "load_average_before": round(load_before, 2),
+                "load_average_after": round(os.getloadavg()[0], 2)})
+    results, runners = assemble_results(folder, plan, args, samplings, questions)
+    config = results["config"]
+    print(f"\nwall time {wall:.0f} s on {len(pool.workers)} worker(s): {ran} question(s), "
+          f"{config['questions_per_worker_hour']:.1f} questions a worker-hour over the run's sessions "
+          f"({config['wall_s']:.0f} s in all)")
+    folder.path.mkdir(parents=True, exist_ok=True)
+    (folder.path / "results.json").write_text(json.dumps(results, indent=1))
+    text = report(results, runners, args)
+    (folder.path / "report.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {folder.path / 'results.json'}, {folder.path / 'report.md'}")
+    return 0
+
+
+def print_worker(info: dict, args) -> None:
+    """What a worker set itself up with, as the single-process benchmark always printed it."""
+    print(f"{info['worker']} on {info['host']}: {info['machine']}, mode {info['mode_note']}; {info['backend_note']}; "
+          f"torch threads {info['threads']}")
+    fitted = info["fitted_tree"]
     if fitted:
-        print(f"fitted tree: {fitted.tree.size} nodes (depth {fitted.tree.max_depth}), predicted mean accepted "
-              f"tokens {fitted.expected_accepted:.2f}, predicted speedup {fitted.predicted_speedup:.2f}x")
-    weights = "" if isinstance(fit_context, int) else " (calibrated at " + ", ".join(
-        f"{g} tokens x {w:.2f}" for g, w in context_weights(fit_context).items()) + ")"
-    print(f"t(N) ms over {describe_context(fit_context)}{weights}: "
-          + ", ".join(f"{n}:{t:.0f}" for n, t in curve.items()))
+        print(f"fitted tree: {fitted['nodes']} nodes (depth {fitted['depth']}), predicted mean accepted tokens "
+              f"{fitted['predicted_mean_accepted_tokens']:.2f}, predicted speedup {fitted['predicted_speedup']:.2f}x")
+    weights = "" if not info["fit_context_weights"] else " (calibrated at " + ", ".join(
+        f"{g} tokens x {w:.2f}" for g, w in info["fit_context_weights"].items()) + ")"
+    print(f"t(N) ms over {info['fit_context']}{weights}: "
+          + ", ".join(f"{n}:{t:.0f}" for n, t in info["t_n_ms"].items()))
 
-    warm = "Say hello in one short sentence."
-    for r in runners:  # warm-up, on a throwaway copy of the matrix
-        r.run(base.encode(warm), 16, r.engine.with_matrix(r.engine.matrix.clone()))
 
-    plain_runner = next(r for r in runners if r.name == "plain")
-    started = time.perf_counter()
-    bar = tqdm(total=len(questions) * len(runners) * args.rounds * len(samplings), desc="benchmark", unit="run")
+class RecordsOf:
+    """A method's records across the run (what ``report`` and ``temperature_summary`` read of a runner)."""
+
+    def __init__(self, name: str, records: list[Record]):
+        self.name, self.records = name, records
+
+
+def assemble_results(folder: RunFolder, plan: dict, args, samplings, questions) -> tuple[dict, list[RecordsOf]]:
+    """results.json from the run's folder: every finished question's records, in the run's question order (the
+    same report however the run was split, stopped or resumed), with the workers' machines."""
+    done = folder.done()
+    order = plan["questions"]
+    lines = {t: {line["question_id"]: line for (tt, _), ls in done.items() if tt == t for line in ls}
+             for t in range(len(plan["temperatures"]))}
+    workers = {w["worker_id"]: w for w in folder.logged("worker")}
+    ends = {e["worker_id"]: e for e in folder.logged("worker_end")}
+    sessions = folder.logged("session")
+    first = lines[0][order[0]]
+    names = list(first["records"])
+
+    def runners_of(t: int) -> list[RecordsOf]:
+        return [RecordsOf(n, [Record(**lines[t][qid]["records"][n]) for qid in order]) for n in names]
+
+    runners = runners_of(0)
     by_temperature = {}
-    # t(N) sampled through the run, at the sizes the fitted trees run: the machine's cost curve moves within minutes
-    # (its t(4) / t(1) went from 1.10 to 1.24 during one 6-minute run here), which no calibration taken once foresees
-    sizes = through_run_sizes([r.engine.tree.size for r in runners if r.engine.fitted], curve)
-    through = [{n: interpolate(curve, n) for n in sizes}]
-    for i, sampling in enumerate(samplings):  # the first temperature's runners are the ones warmed up above
-        these = runners if i == 0 else build_runners(base, methods, hot, sampling)
-        for qi, (q, ids) in enumerate(zip(questions, prompts)):
-            rounds = measure_question(these, ids, args.max_new_tokens, args.rounds, qi, lambda: bar.update(1))
-            # every round of plain gives the same tokens
-            plain_ids = median_round(rounds["plain"], seconds=lambda r: r.elapsed_s).token_ids
-            for r in these:
-                r.records.append(record(q, r.name, rounds[r.name], plain_ids, base, ids))
-            if i == 0 and args.recalibrate_every and (qi + 1) % args.recalibrate_every == 0 and qi + 1 < len(prompts):
-                through.append(step_curve(base, fit_context, use_cache_file=False, sizes=sizes))
+    for t, sampling in enumerate(samplings):
         if sampling is not None:
             by_temperature[f"{sampling.temperature:g}"] = {"sampling": sampling.describe(),
-                                                           "methods": temperature_summary(these)}
-    bar.close()
-    curve_after = step_curve(base, fit_context, use_cache_file=False)
-    through.append({n: interpolate(curve_after, n) for n in sizes})
-    curve_through = {n: statistics.mean(c[n] for c in through) for n in sizes}
+                                                           "methods": temperature_summary(runners_of(t))}
+    main_worker = workers[first["worker_id"]]
+    main_end = ends.get(first["worker_id"], {})
+    count = Counter(lines[0][qid]["worker_id"] for qid in order)  # questions per worker (first temperature)
+    machine_of = {qid: lines[0][qid]["machine"] for qid in order}
+    machines = list(dict.fromkeys(machine_of.values()))
 
-    # on the torch backend, plain decoding also ran unpadded (one row a pass): the faster of the two is the baseline
+    plain_runner = next(r for r in runners if r.name == "plain")
     unpadded = next((r for r in runners if r.name == UNPADDED), None)
     if unpadded is not None and (statistics.median(x.tokens / x.seconds for x in unpadded.records)
                                  > statistics.median(x.tokens / x.seconds for x in plain_runner.records)):
         plain_runner = unpadded
     plain_tps = {r.question_id: r.tokens / r.seconds for r in plain_runner.records}
     categories = list(dict.fromkeys(q.category for q in questions))
+    wall = sum(s["wall_s"] for s in sessions)
+    worker_s = sum(s["wall_s"] * s["workers"] for s in sessions)
+    curve = {int(k): v for k, v in main_worker["t_n_ms"].items()}
+    curve_after = {int(k): v for k, v in main_end.get("t_n_ms_after_run", main_worker["t_n_ms"]).items()}
     results = {"methods": {}, "config": {
-        "questions": len(questions), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode, "compiled": False, "dtype": str(base.model.dtype),
-        "mode_note": base.mode_note(),
-        "model": args.model or "embedded", "hot_start": hot.name if hot else None, "cpu": cpu_name(),
-        "device": str(base.model.device), "machine": device_name(base.model.device), "backend": base.backend_name,
-        "backend_note": base.backend.describe(), "rows": base.rows,
-        "arguments": list(sys.argv[1:] if argv is None else argv),
+        "questions": len(order), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
+        "mode": args.mode, "compiled": False, "dtype": main_worker["dtype"], "mode_note": main_worker["mode_note"],
+        "model": args.model or "embedded", "hot_start": main_worker["hot_start"], "cpu": main_worker["cpu"],
+        "device": main_worker["device"], "machine": main_worker["machine"], "backend": main_worker["backend"],
+        "backend_note": main_worker["backend_note"], "rows": main_worker["rows"], "arguments": plan["arguments"],
         "sampling": (samplings[0] or Sampling()).describe(),
-        "hot_start_carried_across_questions": True, "threads": torch.get_num_threads(),
-        "t_n_ms": curve, "t_n_ms_after_run": curve_after, "t_n_ms_through_run": curve_through,
-        "t_n_calibrations_through_run": len(through), "fit_context": describe_context(fit_context),
-        "seconds": round(time.perf_counter() - started, 1),
-        "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
-        "fitted_tree": None if not fitted else {
-            "nodes": fitted.tree.size, "depth": fitted.tree.max_depth,
-            "node_paths": [list(p) for p in fitted.tree.node_paths],
-            "predicted_mean_accepted_tokens": round(fitted.expected_accepted, 4),
-            "predicted_speedup": round(fitted.predicted_speedup, 4), "table": fitted.table},
-        "lookahead_size": next((r.engine.lookahead_size() for r in runners if r.name == "lookahead"), None),
-        "rounds": args.rounds, "round_order": [r.name for r in runners],
+        "hot_start_carried_across_questions": True, "threads": main_worker["threads"],
+        "t_n_ms": curve, "t_n_ms_after_run": curve_after,
+        "t_n_ms_through_run": main_end.get("t_n_ms_through_run", curve),
+        "t_n_calibrations_through_run": main_end.get("t_n_calibrations_through_run", 1),
+        "fit_context": main_worker["fit_context"],
+        "seconds": round(wall, 1),
+        "load_average_before": sessions[0]["load_average_before"] if sessions else None,
+        "load_average_after": sessions[-1]["load_average_after"] if sessions else None,
+        "fitted_tree": main_worker["fitted_tree"], "lookahead_size": main_worker["lookahead_size"],
+        "rounds": args.rounds, "round_order": names,
         "rounds_note": "each round runs every method once, in round_order rotated by one place a round (and on "
-                       "across questions); every round of a question starts Token Recycling from the matrix held "
-                       "before the question, and the first round's matrix is carried on; a method's time on a "
-                       "question is its median round (of an even count, the faster middle one)",
+                       "across the questions of a shard); every round of a question starts Token Recycling from "
+                       "the matrix held before the question, and the first round's matrix is carried on; a method's "
+                       "time on a question is its median round (of an even count, the faster middle one)",
+        "shards": {"count": len(plan["shards"]), "questions": plan["shards"],
+                   "note": "questions dealt into shards stratified by category; each shard is decoded on one worker "
+                           "at a time, in the order listed, the hot-start matrix carried from each question to the "
+                           "next; every shard starts from the shipped hot start"},
+        "workers": [{k: w[k] for k in ("worker_id", "worker", "host", "machine", "threads", "backend_note")}
+                    | {"questions": count.get(w["worker_id"], 0),
+                       "tree_nodes": (w["fitted_tree"] or {}).get("nodes")} for w in workers.values()],
+        "question_machines": [{"question_id": qid, "shard": lines[0][qid]["shard"],
+                               "position": lines[0][qid]["position"], "worker_id": lines[0][qid]["worker_id"],
+                               "machine": machine_of[qid]} for qid in order],
+        "machines": machines, "sessions": sessions, "wall_s": round(wall, 1),
+        "questions_per_worker_hour": round(sum(s["questions"] for s in sessions) / (worker_s / 3600), 2)
+        if worker_s else None,
         "speedup_definition": SPEEDUP_DEFINITION,
         "speed_baseline": plain_runner.name,
         "speed_baseline_note": None if unpadded is None else (
-            f"plain decoding ran padded to {base.rows} rows a pass (the reference every method's tokens are compared "
-            f"with) and unpadded ({UNPADDED}); the faster, {plain_runner.name}, is the speed baseline; their tokens "
-            + ("agree on every question" if all(x.identical for x in unpadded.records) else
-               f"differ on {sum(not x.identical for x in unpadded.records)} question(s)")),
+            f"plain decoding ran padded to {main_worker['rows']} rows a pass (the reference every method's tokens "
+            f"are compared with) and unpadded ({UNPADDED}); the faster, {plain_runner.name}, is the speed baseline; "
+            "their tokens " + ("agree on every question" if all(x.identical for x in unpadded.records) else
+                               f"differ on {sum(not x.identical for x in unpadded.records)} question(s)")),
         "speedup_median_note": "speedup_median: the median over questions of a method's speedup (speedup_definition) "
                                "on each question; speedup_ci95: its percentile-bootstrap interval over questions; "
                                "verdict: faster / slower only where the interval excludes 1",
@@ -415,18 +716,16 @@ def main(argv: list[str] | None = None) -> int:
             mine = [x for x in r.records if x.category == c]
             if mine:
                 entry["by_category"][c] = {**summarize(mine, plain_tps), **compare(ratios(mine, plain_runner.records))}
+        if len(machines) > 1:
+            entry["by_machine"] = {}
+            for m in machines:
+                mine = [x for x in r.records if machine_of[x.question_id] == m]
+                entry["by_machine"][m] = {**summarize(mine, plain_tps), **compare(ratios(mine, plain_runner.records))}
         entry["accepted_length_histogram"] = dict(sorted(
             Counter(n for x in r.records for n in x.accepted_lengths).items()))
         entry["steps_speedup"] = round(plain_token / entry["step_ms_per_token"], 4)  # the steps' own, prefill left out
         entry["round_spread_pct"] = round_spread_pct(r.records)
-        if r.engine.fitted and r.method == "tr":
-            entry["tree_nodes"] = r.engine.tree.size
-            entry["predicted_mean_accepted_tokens"] = round(r.engine.fitted.expected_accepted, 4)
-            entry["predicted_speedup"] = round(r.engine.fitted.predicted_speedup, 4)
-            entry["predicted_speedup_through_run"] = round(speedup_on(r.engine.fitted.predicted_speedup,
-                                                                      r.engine.tree.size, curve, curve_through), 4)
-        elif r.method == "tr":
-            entry["tree_nodes"] = r.engine.tree.size
+        entry.update(tree_entry(r.name, workers, ends, count))
         entry["first_differences"] = [{"question_id": x.question_id, **x.first_difference}
                                       for x in r.records if x.first_difference]
         results["methods"][r.name] = entry
@@ -436,15 +735,32 @@ def main(argv: list[str] | None = None) -> int:
     results["pairwise"] = pairwise({r.name: r.records for r in runners}, categories)
     if by_temperature:
         results["temperatures"] = by_temperature
+    return results, runners
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    text = report(results, runners, args)
-    (out / "report.md").write_text(text + "\n")
-    print(text)
-    print(f"\nwrote {out / 'results.json'}, {out / 'report.md'}")
-    return 0
+
+def tree_entry(name: str, workers: dict, ends: dict, count: Counter) -> dict:
+    """A Token Recycling runner's tree and, for a fitted one, its predictions: each worker fitted its own, so the
+    predictions are averaged over the workers, weighted by the questions each ran; the nodes are the most common."""
+    mine = [(w["trees"][name], count[wid], wid) for wid, w in workers.items() if name in w["trees"] and count[wid]]
+    if not mine:
+        return {}
+    weight = sum(n for _, n, _ in mine)
+    nodes = Counter(t["nodes"] for t, n, _ in mine for _ in range(n)).most_common(1)[0][0]
+    out = {"tree_nodes": nodes}
+    if len({t["nodes"] for t, _, _ in mine}) > 1:
+        out["tree_nodes_by_worker"] = {wid: t["nodes"] for t, _, wid in mine}
+    if "predicted_speedup" in mine[0][0]:
+        def mean(f) -> float:
+            return round(sum(f(t, wid) * n for t, n, wid in mine) / weight, 4)
+
+        def through(t: dict, wid: str) -> float:
+            curve = {int(k): v for k, v in workers[wid]["t_n_ms"].items()}
+            later = {int(k): v for k, v in ends.get(wid, {}).get("t_n_ms_through_run", curve).items()}
+            return speedup_on(t["predicted_speedup"], t["nodes"], curve, later)
+        out["predicted_mean_accepted_tokens"] = mean(lambda t, _: t["predicted_mean_accepted_tokens"])
+        out["predicted_speedup"] = mean(lambda t, _: t["predicted_speedup"])
+        out["predicted_speedup_through_run"] = mean(through)
+    return out
 
 
 if __name__ == "__main__":

@@ -21,12 +21,15 @@ def interval_text(s: dict) -> str:
     return f"{s['speedup_median']:.2f}x " + (f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "(1 question)")
 
 
-def markdown_table(results: dict, category: str | None = None) -> str:
+def markdown_table(results: dict, category: str | None = None, machine: str | None = None) -> str:
+    """A row per method: overall, or in one category, or on one machine's questions."""
     rows = ["| method | tokens/s | speedup: median [95% interval] | vs plain | speedup of means | "
             "mean accepted tokens | draft nodes per step | identical to plain | overhead ms/step |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
         s = m if category is None else m["by_category"].get(category)
+        if machine is not None:
+            s = m.get("by_machine", {}).get(machine)
         if s:
             rows.append(f"| {name} | {s['tokens_per_s']:.2f} | {interval_text(s)} | "
                         f"{'(baseline)' if name == 'plain' else s['verdict']} | {s['speedup']:.2f}x | "
@@ -34,6 +37,38 @@ def markdown_table(results: dict, category: str | None = None) -> str:
                         f"{s['identical']}/{s['questions']} | "
                         f"{s['overhead_ms_per_step']:.2f} |")
     return "\n".join(rows)
+
+
+def run_lines(results: dict) -> list[str]:
+    """Where the run ran: its shards, its workers and their machines, its wall time (a run folder's results; none
+    for results written before the benchmark kept one).
+
+    >>> config = {"shards": {"count": 2}, "workers": [
+    ...     {"worker": "w0", "host": "a", "machine": "CPU X", "threads": 1, "questions": 3, "tree_nodes": 4},
+    ...     {"worker": "w1", "host": "a", "machine": "CPU X", "threads": 1, "questions": 2, "tree_nodes": 2}],
+    ...     "wall_s": 720.0, "questions_per_worker_hour": 12.5, "sessions": [{}]}
+    >>> print("\\n".join(run_lines({"config": config}))[160:])  # doctest: +ELLIPSIS
+    ...
+    Workers (each fitted its own tree on t(N) measured where it ran; every ratio is measured inside one worker):
+    - w0 on a: CPU X, 1 thread(s), 3 question(s), fitted tree 4 nodes
+    - w1 on a: CPU X, 1 thread(s), 2 question(s), fitted tree 2 nodes
+    Wall time 720 s in 1 session(s); 12.5 questions a worker-hour.
+    """
+    config = results["config"]
+    if "shards" not in config:
+        return []
+    lines = [f"Shards: {config['shards']['count']}, drawn stratified by category; each decoded on one worker, the "
+             "hot-start matrix carried across its questions in a fixed order (results.json: config.shards), each "
+             "from the shipped hot start.",
+             "Workers (each fitted its own tree on t(N) measured where it ran; every ratio is measured inside one "
+             "worker):"]
+    lines += [f"- {w['worker']} on {w['host']}: {w['machine']}, {w['threads']} thread(s), {w['questions']} "
+              f"question(s)" + (f", fitted tree {w['tree_nodes']} nodes" if w.get("tree_nodes") else "")
+              for w in config["workers"]]
+    lines.append(f"Wall time {config['wall_s']:.0f} s in {len(config['sessions'])} session(s)"
+                 + (f"; {config['questions_per_worker_hour']:.1f} questions a worker-hour."
+                    if config.get("questions_per_worker_hour") else "."))
+    return lines
 
 
 def pairwise_table(pairs: list[dict]) -> str:
@@ -134,7 +169,10 @@ def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace)
               "\"slower\" only where the interval excludes 1, and no verdict from fewer than "
               f"{MIN_QUESTIONS_FOR_VERDICT} questions. \"speedup of means\": mean tokens/s over plain's mean. "
               "Token Recycling starts every round of a question from the same matrix (carried from the question "
-              "before).", "", "## overall", markdown_table(results)]
+              "before in its shard).", "", *run_lines(results), "", "## overall", markdown_table(results)]
+    if len(results["config"].get("machines", [])) > 1:
+        for machine in results["config"]["machines"]:
+            lines += ["", f"## overall, on {machine} alone", markdown_table(results, machine=machine)]
     if paper_table(results):
         lines += ["", "## the paper's training-free comparison: here, and the paper's A100 figures",
                   "The paper's figures: Token Recycling (arXiv 2408.08696) citing Spec-Bench's leaderboard, Vicuna-7B "
