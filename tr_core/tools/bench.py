@@ -558,38 +558,41 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
     print(f"{total} question(s) in {len(plan['shards'])} shard(s) (drawn stratified by category), on "
           f"{len(pool.workers)} worker(s) in {where}" + (f"; resumed: {finished} done before" if finished else ""))
     bar = tqdm(total=total, initial=finished, desc="questions", unit="q")
-    names = {}
+    ran = []
 
     def on_line(line: dict, worker: str) -> None:
         if "worker_info" in line:
-            info = line["worker_info"]
-            folder.log(info)
-            names[info["worker_id"]] = worker
-            print_worker(info, args)
+            folder.log(line["worker_info"])
+            print_worker(line["worker_info"], args)
+        ran.append(line["question_id"])
         bar.update(1)
+
+    def log_session() -> float:
+        wall = time.perf_counter() - started
+        folder.log({"kind": "session", "wall_s": round(wall, 1), "workers": len(pool.workers), "questions": len(ran),
+                    "ray": None if args.ray is None else pool.address, "load_average_before": round(load_before, 2),
+                    "load_average_after": round(os.getloadavg()[0], 2)})
+        return wall
 
     def on_change(status: dict) -> None:
         per = " ".join(f"{w}:{n}" for w, n in sorted(status["done"].items()))
         bar.set_postfix_str(f"running {status['running']}, failed {status['failed']}" + (f"; {per}" if per else ""))
 
     try:
-        status = drive(pool, folder, units, on_line, on_change)
+        drive(pool, folder, units, on_line, on_change)
     except KeyboardInterrupt:
         bar.close()
+        log_session()
         print(f"\ninterrupted: {len(folder.lines())} of {total} question(s) are in {folder.path / 'questions.jsonl'};"
               f" go on with: python -m tr_core.tools.bench --resume {folder.path}")
         return 130
     bar.close()
-    wall = time.perf_counter() - started
     for end in pool.finish():
         folder.log(end)
-    ran = sum(status["done"].values())
-    folder.log({"kind": "session", "wall_s": round(wall, 1), "workers": len(pool.workers), "questions": ran,
-                "ray": None if args.ray is None else pool.address, "load_average_before": round(load_before, 2),
-                "load_average_after": round(os.getloadavg()[0], 2)})
+    wall = log_session()
     results, runners = assemble_results(folder, plan, args, samplings, questions)
     config = results["config"]
-    print(f"\nwall time {wall:.0f} s on {len(pool.workers)} worker(s): {ran} question(s), "
+    print(f"\nwall time {wall:.0f} s on {len(pool.workers)} worker(s): {len(ran)} question(s), "
           f"{config['questions_per_worker_hour']:.1f} questions a worker-hour over the run's sessions "
           f"({config['wall_s']:.0f} s in all)")
     folder.path.mkdir(parents=True, exist_ok=True)

@@ -94,8 +94,15 @@ class RunFolder:
         return json.loads((self.path / PLAN).read_text())
 
     def _append(self, name: str, entry: dict) -> None:
-        with open(self.path / name, "a") as f:
-            f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        path = self.path / name
+        torn = False
+        if path.is_file() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+        with open(path, "a") as f:
+            # a line cut short by a process that died mid-write is ended first, so it spoils no other line
+            f.write(("\n" if torn else "") + json.dumps(entry, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
