@@ -1,8 +1,16 @@
-"""Spec-Bench benchmark: every method on the same questions, in rounds alternating the methods, in one process.
+"""Spec-Bench benchmark: every method on the same questions, in rounds alternating the methods, in shards on workers.
 
     python -m tr_core.tools.bench [--questions FILE] [--per-category 5] [--max-new-tokens 128] [--rounds 3]
                             [--methods plain,pld,tr,tr-paper] [--model ID] [--mode exact|fast]
                             [--out bench_out] [--temperatures 0,0.3,0.7,1.0 --seed 0]
+
+    python -m tr_core.tools.bench ... --ray [ADDRESS] [--workers N] [--threads T] [--shards S]
+    python -m tr_core.tools.bench --resume FOLDER [--ray ...]
+
+The questions are dealt into shards stratified by category; each shard is decoded by one worker (``BenchWorker``: the
+model loaded once, t(N) measured and the trees fitted where it runs), in this process or, with ``--ray``, on Ray
+actors (``workers``), so every ratio is measured inside one machine. Every finished question is written to
+``--out`` as it finishes (``run_folder``), and ``--resume`` goes on from there.
 
 It writes ``results.json`` and ``report.md`` to ``--out``. The charts are drawn from ``results.json`` by
 ``visualize``, which this package does not import: ``python benchmark.py`` (beside ``app.py``) takes the same
@@ -499,6 +507,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("fit_context", "shards", "workers", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.workers is not None and args.ray is None:
+        p.error("--workers takes Ray workers: add --ray (without it one process runs the shards in turn)")
+    if not args.resume and folder.started and not folder.finished:
+        p.error(f"{folder.path} holds an unfinished run ({len(folder.lines())} question(s) done): go on with "
+                f"--resume {folder.path}, or choose another --out")
     try:
         samplings = [None if t is None else Sampling(t, seed=args.seed)
                      for t in parse_temperatures(args.temperatures)]
@@ -507,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     ids = [q.question_id for q in questions]
     if plan is None:
-        shards = args.shards or (args.workers or 0) or 1
+        shards = args.shards or args.workers or 1
         if args.ray is not None and not args.shards and not args.workers:
             shards = 0  # as many as the workers: known once Ray is up
         plan = {"arguments": argv, "options": {k: v for k, v in vars(args).items() if k not in SESSION_OPTIONS},
@@ -536,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             folder.start(plan)
         return _run(args, folder, plan, pool, samplings, questions, load_before, started)
-    except RunFolderError as e:
+    except ValueError as e:  # RunFolderError, or a restarted worker that could not set up again
         p.error(str(e))
     finally:
         pool.close()
@@ -548,7 +561,10 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
     for t in range(len(plan["temperatures"])):
         for s, shard in enumerate(plan["shards"]):
             position, state = folder.state(t, s)
-            units.append(Unit(t, s, shard, min(position, len(done.get((t, s), []))), state))
+            if len(done.get((t, s), [])) != position:
+                raise RunFolderError(f"{folder.path}: shard {s} has {len(done.get((t, s), []))} finished question(s) "
+                                     f"but its state is at question {position}: questions.jsonl was cut")
+            units.append(Unit(t, s, shard, position, state))
     total = sum(len(u.ids) for u in units)
     finished = sum(len(u.ids) - u.left for u in units)
     if load_before > 0.5:
@@ -567,9 +583,11 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
         ran.append(line["question_id"])
         bar.update(1)
 
-    def log_session() -> float:
+    def log_session(decoded: float) -> float:
         wall = time.perf_counter() - started
         folder.log({"kind": "session", "wall_s": round(wall, 1), "workers": len(pool.workers), "questions": len(ran),
+                    "setup_s": round(decoding - started, 1),  # Ray's start, the workers' model, t(N), warm-up
+                    "decoding_s": round(decoded - decoding, 1),
                     "ray": None if args.ray is None else pool.address, "load_average_before": round(load_before, 2),
                     "load_average_after": round(os.getloadavg()[0], 2)})
         return wall
@@ -578,21 +596,25 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
         per = " ".join(f"{w}:{n}" for w, n in sorted(status["done"].items()))
         bar.set_postfix_str(f"running {status['running']}, failed {status['failed']}" + (f"; {per}" if per else ""))
 
+    decoding = time.perf_counter()
     try:
         drive(pool, folder, units, on_line, on_change)
     except KeyboardInterrupt:
         bar.close()
-        log_session()
+        log_session(time.perf_counter())
         print(f"\ninterrupted: {len(folder.lines())} of {total} question(s) are in {folder.path / 'questions.jsonl'};"
               f" go on with: python -m tr_core.tools.bench --resume {folder.path}")
         return 130
+    decoded = time.perf_counter()
     bar.close()
-    for end in pool.finish():
+    for end in pool.finish():  # each worker's t(N) once more, for the drift
         folder.log(end)
-    wall = log_session()
+    wall = log_session(decoded)
     results, runners = assemble_results(folder, plan, args, samplings, questions)
     config = results["config"]
-    print(f"\nwall time {wall:.0f} s on {len(pool.workers)} worker(s): {len(ran)} question(s), "
+    session = folder.logged("session")[-1]
+    print(f"\nwall time {wall:.0f} s on {len(pool.workers)} worker(s): {len(ran)} question(s) in "
+          f"{session['decoding_s']:.0f} s, after {session['setup_s']:.0f} s of setup; "
           f"{config['questions_per_worker_hour']:.1f} questions a worker-hour over the run's sessions "
           f"({config['wall_s']:.0f} s in all)")
     folder.path.mkdir(parents=True, exist_ok=True)
@@ -608,6 +630,8 @@ def print_worker(info: dict, args) -> None:
     """What a worker set itself up with, as the single-process benchmark always printed it."""
     print(f"{info['worker']} on {info['host']}: {info['machine']}, mode {info['mode_note']}; {info['backend_note']}; "
           f"torch threads {info['threads']}")
+    print(f"hot start: {info['hot_start'] or 'none (no shipped matrix: cold start)'}, carried across each shard's "
+          f"questions; {args.rounds} round(s) a question, each from the matrix held before the question")
     fitted = info["fitted_tree"]
     if fitted:
         print(f"fitted tree: {fitted['nodes']} nodes (depth {fitted['depth']}), predicted mean accepted tokens "
@@ -676,7 +700,7 @@ def assemble_results(folder: RunFolder, plan: dict, args, samplings, questions) 
         "t_n_ms_through_run": main_end.get("t_n_ms_through_run", curve),
         "t_n_calibrations_through_run": main_end.get("t_n_calibrations_through_run", 1),
         "fit_context": main_worker["fit_context"],
-        "seconds": round(wall, 1),
+        "seconds": round(sum(s.get("decoding_s", s["wall_s"]) for s in sessions), 1),  # the questions' own time
         "load_average_before": sessions[0]["load_average_before"] if sessions else None,
         "load_average_after": sessions[-1]["load_average_after"] if sessions else None,
         "fitted_tree": main_worker["fitted_tree"], "lookahead_size": main_worker["lookahead_size"],

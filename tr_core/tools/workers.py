@@ -136,9 +136,9 @@ class RayPool:
 
     def finish(self) -> list[dict]:
         out = []
-        for name, actor in self.actors.items():
+        for ref in [actor.finish.remote() for actor in self.actors.values()]:  # the workers' last t(N) at once
             try:
-                out.append(self.ray.get(actor.finish.remote()))
+                out.append(self.ray.get(ref))
             except self.ray.exceptions.RayError:
                 continue
         return out
