@@ -17,6 +17,7 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w") as f:
             f.write(text)
+        os.chmod(temporary, 0o644)  # as a plain write leaves it (mkstemp's file is the owner's alone)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

@@ -538,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
             pool = LocalPool(lambda name: BenchWorker(options, payload, name, args.threads))
         else:
             from .workers import RayPool
-            gpus = 1 if (args.device or "").startswith("cuda") else 0
+            # a worker on a GPU reserves one (Ray hides the GPUs from a worker that reserved none); auto: where the
+            # cluster has GPUs
+            gpus = 0 if args.device == "cpu" else 1 if args.device.startswith("cuda") else None
             pool = RayPool(BenchWorker, (options, payload), None if args.ray == "local" else args.ray,
                            args.workers, args.threads or 1, gpus)
     except ValueError as e:

@@ -73,11 +73,12 @@ class LocalPool:
 
 
 class RayPool:
-    """``count`` Ray actors of ``worker_class``, each reserving ``cpus`` cores (and ``gpus`` GPUs), on a local Ray
-    (``address`` None) or the cluster at ``address``."""
+    """``count`` Ray actors of ``worker_class``, each reserving ``cpus`` cores (and ``gpus`` GPUs; None: one where the
+    cluster has any), on a local Ray (``address`` None) or the cluster at ``address``; ``count`` None: as many as the
+    cluster holds."""
 
     def __init__(self, worker_class: type, args: tuple, address: str | None, count: int | None, cpus: int,
-                 gpus: float = 0):
+                 gpus: float | None = 0):
         for key, value in (RAY_ENV if address else LOCAL_RAY_ENV).items():
             os.environ.setdefault(key, value)
         try:
@@ -91,6 +92,8 @@ class RayPool:
         ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  runtime_env=runtime_env, **({} if address else {"num_cpus": os.cpu_count()}))
         total = ray.cluster_resources()
+        if gpus is None:  # --device auto: a GPU a worker where the cluster has them
+            gpus = 1 if total.get("GPU", 0) >= 1 else 0
         if count is None:
             count = int(total.get("GPU", 0) // gpus) if gpus else int(total.get("CPU", 1) // cpus)
         if count < 1:
@@ -98,7 +101,9 @@ class RayPool:
             raise ValueError(f"the Ray cluster has {total.get('CPU', 0):g} CPU(s) and {total.get('GPU', 0):g} "
                              f"GPU(s): not enough for one worker of {cpus} CPU(s) and {gpus:g} GPU(s)")
         self.remote = ray.remote(num_cpus=cpus, num_gpus=gpus, max_restarts=1, max_task_retries=1)(worker_class)
-        self.args, self.cpus, self.actors, self.next = args, cpus, {}, 0
+        # the workers' arguments (the options, every question) put in Ray's store once and held here, so that a
+        # restarted worker still finds them
+        self.args, self.cpus, self.actors, self.next = tuple(ray.put(a) for a in args), cpus, {}, 0
         self.workers = [self._start() for _ in range(count)]
         self.address = address or "local"
         for name in self.workers:  # each loads the model and fits its trees now; one that cannot stops the run
