@@ -4,6 +4,7 @@ knows nothing of plotly, and ``visualize`` nothing of torch.
 
     python benchmark.py --per-category 5 --max-new-tokens 128 --mode exact   # any option of tr_core.tools.bench
     python benchmark.py --charts-only --out bench_out                        # the charts of a finished run, again
+    python benchmark.py --resume bench_out --ray                             # go on with a stopped run, then draw
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--charts-only", action="store_true",
                    help="draw the charts of the results.json already in --out, without benchmarking")
     args = p.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.resume or args.out)  # a resumed run's folder is its own
     if args.charts_only:
         given = [k for k in vars(args) if k not in ("out", "charts_only") and getattr(args, k) != p.get_default(k)]
         if given:

@@ -292,3 +292,18 @@ def test_a_fitted_tree_shows_its_prediction_beside_what_was_measured():
     assert tr["predicted_through_run_steps_error_pct"] == 0.0
     assert prediction_table({"methods": {"plain": plain, "tr": tr}}).splitlines()[2].endswith("| 1.25x | +0% |")
     assert len(table.splitlines()) == 3  # plain has no fitted tree
+
+
+def test_benchmark_py_draws_a_resumed_run_in_its_own_folder(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+
+    def fake_bench(argv):
+        run.mkdir()
+        (run / "results.json").write_text(json.dumps({"config": {"fitted_tree": None}, "methods": {
+            "plain": {"tokens_per_s": 10.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "identical": 2,
+                      "questions": 2, "by_category": {}}}}))
+        return 0
+
+    monkeypatch.setattr(bench, "main", fake_bench)
+    assert benchmark.main(["--resume", str(run), "--ray"]) == 0
+    assert (run / "speedup.html").is_file() and not (tmp_path / "bench_out").exists()

@@ -152,3 +152,29 @@ def test_resume_of_a_folder_without_a_run_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--resume", str(tmp_path)])
     assert "holds no benchmark run (plan.json is missing): nothing to resume" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_questions_from_two_kinds_of_machine_get_a_table_each(setting, single, tmp_path):
+    """A finished run resumed reports again from its folder; where its questions ran on two kinds of machine (shard 1
+    relabelled here), every method gets a row per machine, and the overall speedup stays over all questions."""
+    import shutil
+    out = tmp_path / "two"
+    shutil.copytree(single, out)
+    lines = (out / "questions.jsonl").read_text().splitlines()
+    relabelled = []
+    for text in lines:
+        line = json.loads(text)
+        if line["shard"] == 1:
+            line["machine"] = "Another CPU"
+        relabelled.append(json.dumps(line))
+    (out / "questions.jsonl").write_text("\n".join(relabelled) + "\n")
+    assert main(["--resume", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    machines = results["config"]["machines"]
+    assert len(machines) == 2 and "Another CPU" in machines
+    for m in results["methods"].values():
+        assert set(m["by_machine"]) == set(machines) and m["questions"] == 6
+        assert sum(v["questions"] for v in m["by_machine"].values()) == 6
+    assert "## overall, on Another CPU alone" in (out / "report.md").read_text()
+    assert outcome(out) == outcome(single)  # resuming a finished run decodes nothing again
