@@ -279,6 +279,9 @@ def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentPars
     p.add_argument("--resume", default=None, metavar="FOLDER",
                    help="go on with the run whose folder this is (its --out), skipping the questions already in its "
                         "questions.jsonl; the run's own options are kept")
+    p.add_argument("--report-so-far", action="store_true",
+                   help="with --resume: decode nothing, write the report of the questions finished so far "
+                        "(report_so_far.md, results_so_far.json in the run's folder)")
     return p
 
 
@@ -312,7 +315,7 @@ def record(question: Question, name: str, rounds: list[DecodeResult], plain_ids:
 EXIT_ONCE = "TR_BENCH_EXIT_ONCE"  # a test hook: "MARKER:QUESTION_ID" ends a worker's process once, mid-question
 # The options that set what a run measures; --resume takes them from the run's plan. The others (where the run's
 # folder is, which workers run it) may change from one session of a run to the next.
-SESSION_OPTIONS = ("out", "resume", "ray", "workers", "threads")
+SESSION_OPTIONS = ("out", "resume", "ray", "workers", "threads", "report_so_far")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -529,6 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     elif plan["questions"] != ids:
         p.error(f"the questions of {args.questions or 'Spec-Bench'} are not the ones the run in {folder.path} "
                 "started with")
+    if args.report_so_far:
+        if not args.resume:
+            p.error("--report-so-far reports a run's folder: give it with --resume FOLDER")
+        try:
+            results, runners = assemble_results(folder, plan, args, samplings, questions)
+        except RunFolderError as e:
+            p.error(str(e))
+        return write_report(folder.path, results, runners, args, "_so_far")
     started = time.perf_counter()  # the session's wall time counts the workers' setup (Ray's start, model, t(N))
     options = {**plan["options"], "exit_once": os.environ.get(EXIT_ONCE)}
     payload = [asdict(q) for q in questions]
@@ -619,12 +630,16 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
           f"{session['decoding_s']:.0f} s, after {session['setup_s']:.0f} s of setup; "
           f"{config['questions_per_worker_hour']:.1f} questions a worker-hour over the run's sessions "
           f"({config['wall_s']:.0f} s in all)")
-    folder.path.mkdir(parents=True, exist_ok=True)
-    (folder.path / "results.json").write_text(json.dumps(results, indent=1))
+    return write_report(folder.path, results, runners, args)
+
+
+def write_report(out: Path, results: dict, runners, args, suffix: str = "") -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"results{suffix}.json").write_text(json.dumps(results, indent=1))
     text = report(results, runners, args)
-    (folder.path / "report.md").write_text(text + "\n")
+    (out / f"report{suffix}.md").write_text(text + "\n")
     print(text)
-    print(f"\nwrote {folder.path / 'results.json'}, {folder.path / 'report.md'}")
+    print(f"\nwrote {out / f'results{suffix}.json'}, {out / f'report{suffix}.md'}")
     return 0
 
 
@@ -655,9 +670,12 @@ def assemble_results(folder: RunFolder, plan: dict, args, samplings, questions) 
     """results.json from the run's folder: every finished question's records, in the run's question order (the
     same report however the run was split, stopped or resumed), with the workers' machines."""
     done = folder.done()
-    order = plan["questions"]
     lines = {t: {line["question_id"]: line for (tt, _), ls in done.items() if tt == t for line in ls}
              for t in range(len(plan["temperatures"]))}
+    order = [qid for qid in plan["questions"] if all(qid in by_id for by_id in lines.values())]
+    if not order:
+        raise RunFolderError(f"{folder.path}: no question is finished yet (at every temperature)")
+    questions = [q for q in questions if q.question_id in set(order)]
     workers = {w["worker_id"]: w for w in folder.logged("worker")}
     ends = {e["worker_id"]: e for e in folder.logged("worker_end")}
     sessions = folder.logged("session")
@@ -691,7 +709,8 @@ def assemble_results(folder: RunFolder, plan: dict, args, samplings, questions) 
     curve = {int(k): v for k, v in main_worker["t_n_ms"].items()}
     curve_after = {int(k): v for k, v in main_end.get("t_n_ms_after_run", main_worker["t_n_ms"]).items()}
     results = {"methods": {}, "config": {
-        "questions": len(order), "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
+        "questions": len(order), "questions_planned": len(plan["questions"]), "per_category": args.per_category,
+        "max_new_tokens": args.max_new_tokens,
         "mode": args.mode, "compiled": False, "dtype": main_worker["dtype"], "mode_note": main_worker["mode_note"],
         "model": args.model or "embedded", "hot_start": main_worker["hot_start"], "cpu": main_worker["cpu"],
         "device": main_worker["device"], "machine": main_worker["machine"], "backend": main_worker["backend"],

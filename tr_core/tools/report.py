@@ -64,6 +64,11 @@ def run_lines(results: dict) -> list[str]:
     lines += [f"- {w['worker']} on {w['host']}: {w['machine']}, {w['threads']} thread(s), {w['questions']} "
               f"question(s)" + (f", fitted tree {w['tree_nodes']} nodes" if w.get("tree_nodes") else "")
               for w in config["workers"]]
+    if config.get("questions_planned", config["questions"]) > config["questions"]:
+        lines.append(f"So far: {config['questions']} of the run's {config['questions_planned']} questions are "
+                     "finished (every shard's first ones); the tables are theirs.")
+    if not config["sessions"]:
+        return lines + ["Wall time: the run's first session is still going."]
     lines.append(f"Wall time {config['wall_s']:.0f} s in {len(config['sessions'])} session(s)"
                  + (f"; {config['questions_per_worker_hour']:.1f} questions a worker-hour."
                     if config.get("questions_per_worker_hour") else "."))
