@@ -105,6 +105,11 @@ def test_a_run_interrupted_then_resumed_ends_as_an_uninterrupted_run(setting, si
     assert len(RunFolder(out).lines()) == 3 and sum(map(len, RunFolder(out).done().values())) == 2
     assert not (out / "results.json").exists()
     monkeypatch.setattr(run_folder.RunFolder, "save_state", saved)
+    # the tables of what is finished, without decoding anything
+    assert main(["--resume", str(out), "--report-so-far"]) == 0
+    assert "So far: 2 of the run's 6 questions are finished" in (out / "report_so_far.md").read_text()
+    assert json.loads((out / "results_so_far.json").read_text())["methods"]["plain"]["questions"] == 2
+    assert len(RunFolder(out).lines()) == 3 and not (out / "results.json").exists()
     # a new run into the unfinished run's folder would lose it: refused
     with pytest.raises(SystemExit):
         main(setting + ["--out", str(out)])
