@@ -78,17 +78,21 @@ def test_bench_writes_tables_and_results(tiny_folder, tmp_path, capsys):
     assert "tr-paper (measured)" in tree_size and "plotly" in tree_size
 
 
+def write_fake_results(out) -> int:
+    """What a benchmark run leaves for the charts: a results.json of plain decoding alone."""
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"config": {"fitted_tree": None}, "methods": {
+        "plain": {"tokens_per_s": 10.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "identical": 2,
+                  "questions": 2, "by_category": {}}}}))
+    return 0
+
+
 def test_benchmark_py_runs_the_benchmark_with_the_same_options_then_draws(tmp_path, monkeypatch):
     calls = []
 
     def fake_bench(argv):
         calls.append(argv)
-        out = tmp_path / "out"
-        out.mkdir()
-        (out / "results.json").write_text(json.dumps({"config": {"fitted_tree": None}, "methods": {
-            "plain": {"tokens_per_s": 10.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "identical": 2,
-                      "questions": 2, "by_category": {}}}}))
-        return 0
+        return write_fake_results(tmp_path / "out")
 
     monkeypatch.setattr(bench, "main", fake_bench)
     argv = ["--per-category", "1", "--methods", "pld", "--out", str(tmp_path / "out")]
@@ -298,11 +302,7 @@ def test_benchmark_py_draws_a_resumed_run_in_its_own_folder(tmp_path, monkeypatc
     run = tmp_path / "run"
 
     def fake_bench(argv):
-        run.mkdir()
-        (run / "results.json").write_text(json.dumps({"config": {"fitted_tree": None}, "methods": {
-            "plain": {"tokens_per_s": 10.0, "speedup": 1.0, "mean_accepted_tokens": 1.0, "identical": 2,
-                      "questions": 2, "by_category": {}}}}))
-        return 0
+        return write_fake_results(run)
 
     monkeypatch.setattr(bench, "main", fake_bench)
     assert benchmark.main(["--resume", str(run), "--ray"]) == 0

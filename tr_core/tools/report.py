@@ -46,7 +46,7 @@ def run_lines(results: dict) -> list[str]:
     >>> config = {"shards": {"count": 2}, "workers": [
     ...     {"worker": "w0", "host": "a", "machine": "CPU X", "threads": 1, "questions": 3, "tree_nodes": 4},
     ...     {"worker": "w1", "host": "a", "machine": "CPU X", "threads": 1, "questions": 2, "tree_nodes": 2}],
-    ...     "wall_s": 720.0, "questions_per_worker_hour": 12.5, "sessions": [{}]}
+    ...     "questions": 5, "wall_s": 720.0, "questions_per_worker_hour": 12.5, "sessions": [{}]}
     >>> print("\\n".join(run_lines({"config": config})[1:]))  # the first line: the shards, as said below
     Workers (each fitted its own tree on t(N) measured where it ran; every ratio is measured inside one worker):
     - w0 on a: CPU X, 1 thread(s), 3 question(s), fitted tree 4 nodes
