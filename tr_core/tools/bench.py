@@ -518,9 +518,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers is not None and args.ray is None:
         p.error("--workers takes Ray workers: add --ray (without it one process runs the shards in turn)")
-    if not args.resume and folder.started and not folder.finished:
-        p.error(f"{folder.path} holds an unfinished run ({len(folder.lines())} question(s) done): go on with "
-                f"--resume {folder.path}, or choose another --out")
+    if not args.resume:
+        try:
+            folder.check_new()  # before any worker starts
+        except RunFolderError as e:
+            p.error(str(e))
     try:
         samplings = [None if t is None else Sampling(t, seed=args.seed)
                      for t in parse_temperatures(args.temperatures)]
@@ -528,13 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     ids = [q.question_id for q in questions]
+    by_category = [(q.question_id, q.category) for q in questions]
     if plan is None:
         shards = args.shards or args.workers or 1
         if args.ray is not None and not args.shards and not args.workers:
             shards = 0  # as many as the workers: known once Ray is up
         plan = {"arguments": argv, "options": {k: v for k, v in vars(args).items() if k not in SESSION_OPTIONS},
                 "questions": ids, "temperatures": [None if s is None else s.temperature for s in samplings],
-                "shards": plan_shards([(q.question_id, q.category) for q in questions], shards) if shards else None}
+                "shards": plan_shards(by_category, shards) if shards else None}
     elif plan["questions"] != ids:
         p.error(f"the questions of {args.questions or 'Spec-Bench'} are not the ones the run in {folder.path} "
                 "started with")
@@ -563,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if plan["shards"] is None:
-        plan["shards"] = plan_shards([(q.question_id, q.category) for q in questions], len(pool.workers))
+        plan["shards"] = plan_shards(by_category, len(pool.workers))
     try:
         if not args.resume:
             folder.start(plan)

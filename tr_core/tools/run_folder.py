@@ -14,7 +14,7 @@ A line is appended (and flushed to disk) before its unit's state is replaced, so
 holds a line its state has not reached: it is decoded again on resume, and the later line of a place wins.
 
 Shards are drawn stratified by category (``plan_shards``): every shard holds each category's share. Everything here is
-plain data; the decoding is ``bench``'s, the workers ``bench_ray``'s.
+plain data; the decoding is ``bench``'s, the workers ``workers``'.
 """
 
 from __future__ import annotations
@@ -70,16 +70,16 @@ class RunFolder:
     def started(self) -> bool:
         return (self.path / PLAN).is_file()
 
-    @property
-    def finished(self) -> bool:
-        return (self.path / RESULTS[0]).is_file() and self.started and not self.missing_any()
-
-    def start(self, plan: dict) -> None:
-        """Start a new run here. A folder that holds an unfinished run is refused (its questions would be lost); a
-        finished run's files are replaced, as a run into the same ``--out`` always did."""
+    def check_new(self) -> None:
+        """Refuse a new run here where the folder holds an unfinished one (its questions would be lost); a finished
+        run's files are replaced, as a run into the same ``--out`` always did."""
         if self.started and not (self.path / RESULTS[0]).is_file():
             raise RunFolderError(f"{self.path} holds an unfinished run ({len(self.lines())} question(s) done): go on "
                                  f"with --resume {self.path}, or choose another --out")
+
+    def start(self, plan: dict) -> None:
+        """Start a new run here (``check_new`` first)."""
+        self.check_new()
         for name in (PLAN, LINES, LOG, *RESULTS):
             (self.path / name).unlink(missing_ok=True)
         if (self.path / STATE).is_dir():
@@ -118,11 +118,8 @@ class RunFolder:
 
     def save_state(self, temperature: int, shard: int, position: int, state: bytes) -> None:
         """Unit (``temperature``, ``shard``)'s carried state once its questions before ``position`` are done."""
-        path = self.path / STATE / f"{unit_name(temperature, shard)}.pkl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_bytes(position.to_bytes(4, "little") + state)
-        os.replace(temporary, path)
+        write_atomically(self.path / STATE / f"{unit_name(temperature, shard)}.pkl",
+                         position.to_bytes(4, "little") + state)
 
     def state(self, temperature: int, shard: int) -> tuple[int, bytes | None]:
         """The place of the unit's next question and the state it starts from (0, None: not started)."""
