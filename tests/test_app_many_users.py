@@ -339,6 +339,7 @@ def process_rss_mb(pid: int) -> float:
 # (one CI failure); with it, +0.27 to +0.29 over 3 short runs and +0.17 over 80 runs (10 sessions). By hand, the
 # issue's full size: TR_MEMORY_SESSIONS=20 TR_MEMORY_ROUNDS=10.
 MB_PER_RUN = 1.5
+FREED_MB_A_SESSION = 0.025  # under the smallest a session holds after a run (27 KB)
 SESSIONS = int(os.environ.get("TR_MEMORY_SESSIONS", "10"))  # 20 at the full size, by hand
 
 
@@ -383,8 +384,11 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
               f"({(first - before) / SESSIONS:+.2f} MB a session); after {runs} more runs {after:.1f} MB "
               f"({per_run:+.3f} MB a run); 5 s after the sessions closed {closed:.1f} MB")
         assert per_run < MB_PER_RUN
-        # before ui.gradio_fix.forget_session the RSS stayed at its peak after the close (2567.2 MB at +5, +30, +90 s)
-        assert closed < after - 1, "the memory did not go down after the sessions left"
+        # before ui.gradio_fix.forget_session the RSS stayed at its peak after the close (2567.2 MB at +5, +30, +90 s).
+        # What goes is what the sessions held (27-55 KB each after a run: the test of a session's state below), handed
+        # back in whole pages: 10 sessions freed 1.4-2.9 MB here, 0.74 MB on CI's machine (which failed a 1 MB bound);
+        # read each second for 20 s after the close, the RSS fell within the first second and then stayed put.
+        assert closed < after - SESSIONS * FREED_MB_A_SESSION, "the memory did not go down after the sessions left"
     finally:
         app_process.terminate()
         app_process.wait(timeout=30)
