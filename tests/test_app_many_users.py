@@ -377,12 +377,12 @@ def test_the_apps_memory_per_run_and_per_session(tmp_path):
         after = process_rss_mb(app_process.pid)
         for c in sessions:
             c.close()
-        time.sleep(5)  # gradio expires closed sessions' state after 1 s here; the app then drops its copy
+        time.sleep(3)  # gradio expires closed sessions' state after 1 s here; the app then drops its copy
         closed = process_rss_mb(app_process.pid)
         per_run, runs = (after - first) / (rounds * SESSIONS), rounds * SESSIONS
         print(f"the app's RSS {before:.1f} MB; after {SESSIONS} sessions' first runs {first:.1f} MB "
               f"({(first - before) / SESSIONS:+.2f} MB a session); after {runs} more runs {after:.1f} MB "
-              f"({per_run:+.3f} MB a run); 5 s after the sessions closed {closed:.1f} MB")
+              f"({per_run:+.3f} MB a run); 3 s after the sessions closed {closed:.1f} MB")
         assert per_run < MB_PER_RUN
         # before ui.gradio_fix.forget_session the RSS stayed at its peak after the close (2567.2 MB at +5, +30, +90 s).
         # What goes is what the sessions held (27-55 KB each after a run: the test of a session's state below), handed
