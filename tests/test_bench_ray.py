@@ -103,7 +103,7 @@ def test_a_run_interrupted_then_resumed_ends_as_an_uninterrupted_run(setting, si
 
     monkeypatch.setattr(run_folder.RunFolder, "save_state", stop_on_the_third)
     assert main(setting + ["--shards", "2", "--threads", "1", "--out", str(out)]) == 130
-    assert "go on with: python -m tr_core.tools.bench --resume" in capsys.readouterr().out
+    assert f"go on with: python -m tr_core.tools.bench --resume {out}\n" in capsys.readouterr().out  # no --ray
     assert len(RunFolder(out).lines()) == 3 and sum(map(len, RunFolder(out).done().values())) == 2
     assert not (out / "results.json").exists()
     monkeypatch.setattr(run_folder.RunFolder, "save_state", saved)

@@ -626,8 +626,9 @@ def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_b
     except KeyboardInterrupt:
         bar.close()
         log_session(time.perf_counter())
+        on_ray = "" if args.ray is None else " --ray" + ("" if args.ray == "local" else f" {args.ray}")
         print(f"\ninterrupted: {len(folder.lines())} of {total} question(s) are in {folder.path / 'questions.jsonl'};"
-              f" go on with: python -m tr_core.tools.bench --resume {folder.path}")
+              f" go on with: python -m tr_core.tools.bench --resume {folder.path}{on_ray}")
         return 130
     finally:
         if main_thread:
