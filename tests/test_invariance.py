@@ -10,32 +10,24 @@ import copy
 import pytest
 import torch
 
-from tr_core.decoding import decode, run, tree_mask
+from tr_core.decoding import decode, run
 from tr_core.drafters import PlainDrafter, PromptLookupDrafter
-from tr_core.speed import attention, kernels
-from tr_core.speed.kernels import OutputHead, body, cache_dtype, feed, prepare_model
-from tr_core.speed.kv import new_cache
+from tr_core.speed import attention, invariance, kernels
+from tr_core.speed.invariance import CHUNKS, DEPTH, PASTS, TREE_SIZES, all_equal, differences, position_logits
+from tr_core.speed.kernels import OutputHead, choose_plan, prepare_model
 from tr_core.speed.layouts import (
     LAYOUTS,
     Layout,
     available_layouts,
     kernel_plan,
-    linear_shapes,
     make_plan,
     mode_formats,
     row_invariant,
 )
-from tr_core.tree import tree_from_parents
 
 pytestmark = pytest.mark.slow  # minutes: the embedded model in both modes, every candidate format
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 20) + "Once upon a time, in a land far away, there lived"
-# the cached tokens before the positions checked: inside an attention window, and near its end (a prefill chunk of
-# up to 63 rows reaches them)
-PASTS = (130, 187)
-DEPTH = 3  # the positions checked: the one after the cache and the next three, a path of depth 3 in each tree
-TREE_SIZES = (2, 4, 8, 16, 81)
-CHUNKS = (7, 32, 1000)  # prefill pieces (each split again at the attention windows' boundaries)
 
 
 @pytest.fixture(scope="module")
@@ -45,83 +37,10 @@ def ids(embedded):
     return ids
 
 
-def _tree_with_chain(chain: list[int], size: int, vocab: int) -> tuple[list[int], list[int], list[int]]:
-    """Parents and tokens of a ``size``-node tree holding ``chain`` (root first) as one path, the other nodes random
-    siblings placed before the chain's node at each depth; and the chain's node indices."""
-    g = torch.Generator().manual_seed(size)
-    parents, tokens, nodes = [-1], [chain[0]], [0]
-    extra = size - len(chain)
-    for d in range(1, len(chain)):  # (a chain of one node: the root alone)
-        for _ in range(extra // (len(chain) - 1) + (d <= extra % (len(chain) - 1))):
-            parents.append(nodes[d - 1])
-            tokens.append(int(torch.randint(vocab, (1,), generator=g)))
-        parents.append(nodes[d - 1])
-        tokens.append(chain[d])
-        nodes.append(len(parents) - 1)
-    return parents, tokens, nodes
-
-
-@torch.inference_mode()
-def position_logits(model, ids: torch.Tensor, past: int) -> dict[str, list[torch.Tensor]]:
-    """The logits after the tokens at positions ``past`` to ``past + DEPTH``, computed: alone, one step at a time
-    (as plain decoding does); as a path inside trees of ``TREE_SIZES`` nodes; inside prefills fed in ``CHUNKS``."""
-    base, head, dtype = body(model), OutputHead(model), model.dtype
-    chain = ids[past:past + DEPTH + 1].tolist()
-
-    def cached(upto: int):
-        cache = new_cache(model.config, 512, cache_dtype(base, dtype))
-        feed(base, ids[:upto], cache)
-        return cache
-
-    out = {}
-    cache, alone = cached(past), []
-    for i, token in enumerate(chain):
-        hidden = base(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[past + i]]),
-                      cache=cache).last_hidden_state[0]
-        alone.append(head(hidden)[0])
-    out["alone"] = alone
-    for size in TREE_SIZES:
-        parents, tokens, nodes = _tree_with_chain(chain[:size], size, model.config.vocab_size)
-        tree, order = tree_from_parents(parents, [0] * size)
-        assert order == list(range(size))
-        cache = cached(past)
-        hidden = base(input_ids=torch.tensor([tokens]), position_ids=(past + tree.depth)[None],
-                      attention_mask=tree_mask(tree, past, dtype, "cpu"), cache=cache).last_hidden_state[0]
-        logits = head(hidden)
-        out[f"tree of {size}"] = [logits[i] for i in nodes]
-    for chunk in CHUNKS:
-        cache, rows = new_cache(model.config, 512, cache_dtype(base, dtype)), []
-        for start in range(0, past + DEPTH + 1, chunk):
-            rows.append(head(feed(base, ids[start:min(start + chunk, past + DEPTH + 1)], cache)))
-        logits = torch.cat(rows)
-        out[f"prefill in {chunk}s"] = [logits[past + i] for i in range(DEPTH + 1)]
-    return out
-
-
-def differences(logits: dict[str, list[torch.Tensor]]) -> dict[str, list[int]]:
-    """Per way of computing, the number of logits differing from the one-at-a-time ones, per position (a tree of
-    fewer nodes than positions holds the first ones)."""
-    alone = logits["alone"]
-    return {how: [int((a != b).sum()) for a, b in zip(alone, rows)] for how, rows in logits.items() if how != "alone"}
-
-
-def _prepared(embedded, mode: str, fmt: str | None = None):
-    """A copy of the embedded model on ``mode``'s kernels chosen here; with ``fmt``, the fast mode held to that
-    format (what the chooser would run if that format measured fastest)."""
+def _prepared(embedded, mode: str):
+    """A copy of the embedded model on ``mode``'s kernels chosen here."""
     model = copy.deepcopy(embedded[0])
     plan = kernel_plan(model, mode)
-    if fmt is not None:
-        names = [n for n in available_layouts() if LAYOUTS[n].fmt == fmt]
-        timings = {(s, r, n): ms for s, rows in plan.timings.items() for r, by in rows.items()
-                   for n, ms in by.items() if n in names}
-        invariant = row_invariant({s: (ls[0].out_features, ls[0].in_features)
-                                   for s, ls in linear_shapes(model).items()}, names)
-        try:
-            plan = make_plan(mode, timings, plan.counts, names, invariant=invariant)
-        except ValueError:  # none of the format's layouts is row-invariant here for some shape: none has timings
-            pytest.skip(f"no row-invariant {fmt} layout on this CPU for every shape ({invariant})")
-        if plan.fmt != fmt:
-            pytest.skip(f"no row-invariant {fmt} layout on this CPU")
     prepare_model(model, mode, plan)
     return model, plan
 
@@ -137,31 +56,45 @@ def test_attention_is_row_invariant_on_this_machine():
     assert attention.batch_invariant(4, 2, 16) and attention.batch_invariant(4, 4, 16)
 
 
-def _all_equal(found: dict[str, list[int]]) -> bool:
-    return all(len(d) == min(DEPTH + 1, int(h.split()[-1])) if h.startswith("tree") else len(d) == DEPTH + 1
-               for h, d in found.items()) and not any(any(d) for d in found.values())
-
-
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_a_position_has_the_same_logits_alone_in_trees_and_in_prefills(embedded, ids, mode):
     model, plan = _prepared(embedded, mode)
     assert plan.invariant, kernels.describe_invariance(plan)
     assert "; batch-invariant" in kernels.describe_format(plan, kernels.attention_invariant(model))
-    for past in PASTS:
-        found = differences(position_logits(model, ids, past))
+    for past, by_way in position_logits(model, ids).items():
+        found = differences(by_way)
         assert set(found) == {f"tree of {n}" for n in TREE_SIZES} | {f"prefill in {c}s" for c in CHUNKS}
-        assert _all_equal(found), (past, found)
+        assert all_equal(found), (past, found)
 
 
 @pytest.mark.parametrize("fmt", _fast_formats())
-def test_each_format_the_fast_mode_may_pick_here_is_row_invariant(embedded, ids, fmt):
-    model, plan = _prepared(embedded, "fast", fmt)
-    assert plan.fmt == fmt and plan.invariant
+def test_each_format_the_fast_mode_may_pick_here_is_row_invariant_or_never_offered(embedded, ids, fmt):
+    # the chooser's check (kernels.invariant_plans) and this test ask one function, invariance.check, of the plan the
+    # chooser would run for the format (layouts.format_plans): a format whose whole model fails it here is one the
+    # fast mode never runs here, and says so
+    from tr_core.speed import layouts, lean
+
+    model = copy.deepcopy(embedded[0])
+    lean.fuse(model)
+    gain = kernels.tree_gain(embedded[0])
+    plans = layouts.format_plans(model, "fast", gain=gain)
+    chosen = choose_plan(copy.deepcopy(model), "fast", gain=gain)
+    if fmt not in plans:
+        assert chosen.fmt != fmt
+        pytest.skip(f"{fmt}: not as row-invariant here as the other formats' layouts: never a candidate")
+    plan = plans[fmt]
     if plan.layouts == kernel_plan(embedded[0], "exact").layouts:
         pytest.skip(f"{fmt}: the exact mode's kernels, layer for layer (checked by the test above in exact mode)")
-    for past in PASTS:
-        found = differences(position_logits(model, ids, past))
-        assert _all_equal(found), (fmt, past, found)
+    prepare_model(model, "fast", plan)
+    assert kernels.plan_of(model).fmt == fmt
+    why = invariance.verdict(invariance.check(model))
+    if why:
+        assert chosen.fmt != fmt and chosen.dropped.get(fmt) == why, (fmt, why, chosen.fmt, chosen.dropped)
+        assert why in kernels.describe_invariance(chosen)
+        pytest.skip(f"{fmt} is not batch-invariant on this CPU and never offered here: it {why}")
+    assert fmt not in chosen.dropped
+    for past, by_way in position_logits(model, ids).items():  # and on the test's own text
+        assert all_equal(differences(by_way)), (fmt, past, differences(by_way))
 
 
 def test_the_check_fails_for_a_deliberately_row_dependent_kernel(embedded, ids, monkeypatch):
@@ -173,8 +106,9 @@ def test_the_check_fails_for_a_deliberately_row_dependent_kernel(embedded, ids, 
         return logits * (1 + hidden.shape[0] * 2.0 ** -20)
 
     monkeypatch.setattr(OutputHead, "__call__", row_dependent)
-    found = differences(position_logits(model, ids, PASTS[0]))
+    found = differences(position_logits(model, ids, PASTS[:1])[PASTS[0]])
     assert all(d[0] > 0 for d in found.values()), found
+    assert invariance.verdict(invariance.check(model, pasts=PASTS[:1])).startswith("gave other logits in a tree of 2")
 
 
 def test_the_chooser_runs_only_row_invariant_layouts_and_names_the_ones_it_left_out():

@@ -63,15 +63,18 @@ def mode_dtype(mode: str, model: nn.Module | None = None) -> tuple[torch.dtype, 
         return torch.float32, "exact: fp32"
     half = [name for name, ok in (("fp16 weights", fp16_weights_available()),
                                   ("bf16", "bf16-linear" in layouts.available_layouts()),
-                                  ("bf16 products", "bf16n" in layouts.available_layouts())) if ok]
+                                  ("bf16 products", "bf16n" in layouts.available_layouts()),
+                                  ("bf16 products on AMX tiles", "amxn" in layouts.available_layouts())) if ok]
     if not half:
         return torch.float32, "fast: fp32 (no fp16-weight kernel and no AVX-512 BF16/AMX on this CPU)"
     return torch.float32, f"fast: {' or '.join(half + ['fp32'])}, whichever measures fastest here"
 
 
 FORMAT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights, fp32 arithmetic", "bf16": "bf16",
-                "bf16p": "bf16 weights and products, fp32 activations"}
-SHORT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16", "bf16p": "bf16 products"}
+                "bf16p": "bf16 weights and products, fp32 activations",
+                "amx": "bf16 weights and products on AMX tiles, fp32 activations"}
+SHORT_NAMES = {"fp32": "fp32", "fp16": "fp16 weights", "bf16": "bf16", "bf16p": "bf16 products",
+               "amx": "AMX tiles"}
 
 
 def _bf16_unit() -> str:
@@ -100,13 +103,18 @@ def describe_invariance(plan: KernelPlan, attention: bool = True) -> str:
     whatever rows go with it, checked on this machine (what makes every method's output plain decoding's), and which
     layouts the plan left out for not doing so."""
     dropped = sorted({LAYOUTS[n].label for names in plan.excluded.values() for n in names})
-    left_out = f" (left out as row-dependent here: {', '.join(dropped)})" if dropped else ""
+    dropped += [f"the {SHORT_NAMES[fmt]} format, whose whole model {why}" for fmt, why in plan.dropped.items()
+                if fmt != plan.fmt]
+    left_out = f" (left out as row-dependent here: {'; '.join(dropped)})" if dropped else ""
     if not attention:
         return ("NOT batch-invariant: this model's attention is torch's fused kernel (only Llama-family models on a "
                 "CPU with a row-invariant product run the batch-invariant one), so a tree step may decide a float "
                 "near-tie differently from plain decoding")
     if plan.invariant:
         return f"batch-invariant: each row's numbers are the same alone, in a tree or in a prefill{left_out}"
+    if plan.fmt in plan.dropped:
+        return (f"NOT batch-invariant on this CPU: checked whole, the model {plan.dropped[plan.fmt]} (and no other "
+                "format did better), so a tree step may decide a float near-tie differently from plain decoding")
     return ("NOT batch-invariant on this CPU: no layout of the format gave a row the same bits at every row count, "
             "so a tree step may decide a float near-tie differently from plain decoding")
 
@@ -203,7 +211,7 @@ class ChosenLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fmt = plan.fmt
         weight = linear.weight.detach()
-        if plan.fmt in ("fp16", "bf16p"):  # only the packed copies are read
+        if plan.fmt in ("fp16", "bf16p", "amx"):  # only the packed copies are read
             self.register_parameter("weight", None)
             self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), False)
         else:
@@ -289,6 +297,7 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
     there is one format, or no memory for the copies, the linear layers' choice, and the plan says why.
     ``remeasure``: time the layouts and the whole steps again."""
     plans = layouts.format_plans(model, mode, gain=gain, remeasure=remeasure)
+    plans, dropped = invariant_plans(model, plans, remeasure=remeasure)
     first = next(iter(plans.values()))
     if len(plans) < 2:
         return first
@@ -306,6 +315,60 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
                            f"{layouts.CLOSE_ROUNDS} rounds")
     plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
     return plan
+
+
+def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: bool = False
+                    ) -> tuple[dict[str, KernelPlan], dict[str, str]]:
+    """The plans of ``plans`` (format -> plan, ``layouts.format_plans``) whose whole prepared model is batch-invariant
+    here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), and the
+    formats left out with what differed. Each format's plan is put into a copy of ``model`` in turn and checked
+    (seconds each), the verdicts cached per machine, model, mode, plans and the forward's code (``remeasure``: not
+    read). Where a plan's layouts are not row-invariant already (``plan.invariant`` false) it is kept as it is: its
+    description says so. Where no format passes, every plan is kept, each marked not invariant with why (the exact
+    mode has only fp32)."""
+    import copy
+    import hashlib
+    import json
+    import sys
+
+    from ..models import default_cache_dir, max_positions
+    from . import attention, invariance, lean  # invariance imports this module: loaded on first use
+
+    mode = next(iter(plans.values())).mode
+    key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()),
+                    layouts.source_digest(invariance, lean, attention, sys.modules[__name__])])
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
+    path = default_cache_dir() / "kernels" / f"invariant-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    verdicts: dict[str, str] = {}
+    if path.is_file() and not remeasure:
+        verdicts = json.loads(path.read_text())
+    said = _LATEST.get(mode)
+    try:
+        for fmt, plan in plans.items():
+            if fmt in verdicts or not plan.invariant:
+                continue
+            trial = copy.deepcopy(model)
+            apply_plan(trial, plan)
+            # None: not checked, where the attention is not the batch-invariant one (the description says so) or
+            # the model takes fewer positions than the check
+            room = max_positions(model) or invariance.probe_ids(1).numel()
+            checkable = attention_invariant(trial) and room >= invariance.probe_ids(1).numel()
+            verdicts[fmt] = invariance.verdict(invariance.check(trial)) if checkable else None
+            del trial
+    finally:
+        if said is None:  # what the mode runs here is said by the models it prepares, not by these trials
+            _LATEST.pop(mode, None)
+        else:
+            _LATEST[mode] = said
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps(verdicts, indent=1))
+    dropped = {fmt: why for fmt, why in verdicts.items() if why and fmt in plans}
+    kept = {fmt: plan for fmt, plan in plans.items() if fmt not in dropped}
+    for plan in (kept or plans).values():
+        plan.dropped = dict(dropped)
+        if not kept:
+            plan.invariant = False
+    return kept or plans, dropped
 
 
 def available_memory_bytes() -> int | None:

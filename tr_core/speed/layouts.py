@@ -14,7 +14,8 @@ Formats: ``fp32`` (exact mode: only these), ``fp16`` (fbgemm or native.c: fp16 w
 arithmetic), ``bf16`` (bf16 weights and activations; a candidate only where the CPU has AVX-512 BF16 or AMX: emulated
 bf16 was slower than fp32 for tree forwards, and it rounds activations too, so only the fast mode may choose it) and
 ``bf16p`` (native.c's bf16 dot products: bf16 weights, each linear layer's inputs rounded to bf16, fp32 sums and fp32
-activations everywhere else; where the CPU has AVX-512 BF16 and the C library is built).
+activations everywhere else; where the CPU has AVX-512 BF16 and the C library is built) and ``amx`` (the same
+numbers' recipe on AMX tiles: native.c's ``tr_linear_amx``, where the CPU has AMX and the kernel grants the tiles).
 """
 
 from __future__ import annotations
@@ -52,14 +53,15 @@ CLOSE = 0.10
 CLOSE_ROUNDS = 6
 # bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
 # only where native.c's tr_linear_bf16 runs (AVX-512 BF16)
-FORMATS = ("fp32", "fp16", "bf16", "bf16p")
+# amx: the same on AMX tiles (16 rows by 32 inputs a tile product), where the CPU has AMX and the kernel grants it
+FORMATS = ("fp32", "fp16", "bf16", "bf16p", "amx")
 # Without the method's expected tokens, the format is chosen on the row counts up to this: plain decoding's one row
 # and the trees a CPU verifies (why not all 81: docs/speed.md, "Measurements behind the choices")
 FORMAT_MAX_ROWS = 16
 HEAD = "head"  # the shape key of the output layer; body shapes are keyed "<out>x<in>"
 # per format, the layout whose calls native.c's tr_layers makes itself (the lean forward's whole pass in one call,
 # where every body layer runs it); its calls are also timed bare, as they cost there (``measure``'s ``inside``)
-STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n", "bf16p": "bf16n"}
+STACK_LAYOUTS = {"fp32": "native", "fp16": "fp16n", "bf16p": "bf16n", "amx": "amxn"}
 INSIDE = "inside:"  # the prefix of a bare call's timing, in ``measure``'s result and the cache file
 BUSY_SOURCE = "measured here on a busy machine, not cached"  # a plan's source where other processes competed
 
@@ -113,17 +115,38 @@ TILE = 32  # native.c's tr_linear_f16 and tr_linear_f32: the outputs of one tile
 class WeightTiles:
     """A weight (out, in) as native.c's linear layers read it: fp16 (``tr_linear_f16``) or fp32 (``tr_linear_f32``),
     in tiles of 32 outputs, each tile input by input (the 32 outputs' weights of input 0, then of input 1, ...; zeros
-    past ``out``), so the weights are read front to back."""
-    tiles: torch.Tensor  # (ceil(out / 32), in, 32), contiguous
+    past ``out``), so the weights are read front to back; bf16 in pairs (``tr_linear_bf16``) or AMX tiles
+    (``tr_linear_amx``, ``amx``), as ``weight_tiles`` says."""
+    tiles: torch.Tensor  # (ceil(out / 32), in, 32), contiguous (other shapes for bf16: ``weight_tiles``)
     out_features: int
     in_features: int
+    amx: bool = False
+
+    @property
+    def kernel(self) -> torch.dtype | str:
+        """Which of native.c's linear layers reads these tiles (``native.LINEAR``'s key)."""
+        return "amx" if self.amx else self.tiles.dtype
 
 
-def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> WeightTiles:
+def weight_tiles(w: torch.Tensor, dtype: torch.dtype, amx: bool = False) -> WeightTiles:
     """``w`` (out, in) packed for native.c's linear layer of ``dtype``: for bf16 (``tr_linear_bf16``) in tiles of 32
     outputs by input pairs ((ceil(out / 32), ceil(in / 2), 32, 2): each output's weights of inputs 2p and 2p + 1 side
-    by side, zeros past ``out`` and ``in``), else input by input."""
+    by side, zeros past ``out`` and ``in``); with ``amx``, bf16 for ``tr_linear_amx``: blocks of 32 outputs, each
+    holding for every run k of 32 inputs two AMX B tiles (outputs 0-15, then 16-31 of the block), a tile 16 rows of
+    input pairs by 16 outputs ((ceil(out / 32), ceil(in / 32), 2, 16, 16, 2): [b, k, half, p, o, j] is the weight of
+    output 32b + 16 half + o, input 32k + 2p + j; zeros past ``out`` and ``in``); else input by input.
+
+    >>> t = weight_tiles(torch.arange(40 * 33.).view(40, 33), torch.bfloat16, amx=True).tiles
+    >>> tuple(t.shape), t[0, 0, 1, 0, 0].tolist(), t[1, 1, 0, 0, 2].tolist(), t[0, 1, 0, 0, 0].tolist()
+    ((2, 2, 2, 16, 16, 2), [528.0, 529.0], [1088.0, 0.0], [32.0, 0.0])
+    """
     out, inp = w.shape
+    if amx:
+        runs, blocks = -(-inp // 32), -(-out // TILE)
+        padded = torch.zeros(blocks * TILE, runs * 32, dtype=torch.bfloat16)
+        padded[:out, :inp] = w
+        return WeightTiles(_placed(padded.view(blocks, 2, 16, runs, 16, 2).permute(0, 3, 1, 4, 2, 5)), out, inp,
+                           amx=True)
     if dtype == torch.bfloat16:
         pairs = -(-inp // 2)
         padded = torch.zeros(-(-out // TILE) * TILE, 2 * pairs, dtype=dtype)
@@ -155,24 +178,31 @@ def _bf16_tiles(w: torch.Tensor) -> WeightTiles:
     return weight_tiles(w, torch.bfloat16)
 
 
+def _amx_tiles(w: torch.Tensor) -> WeightTiles:
+    return weight_tiles(w, torch.bfloat16, amx=True)
+
+
 def _tiles_shape(packed: WeightTiles) -> tuple[int, ...]:
     """The shape of ``packed.tiles`` for its weight's shape (``weight_tiles``)."""
     count = -(-packed.out_features // TILE)
+    if packed.amx:
+        return count, -(-packed.in_features // 32), 2, 16, 16, 2
     if packed.tiles.dtype == torch.bfloat16:
         return count, -(-packed.in_features // 2), TILE, 2
     return count, packed.in_features, TILE
 
 
 def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
-    # native.c's tr_linear_f16 / _f32 / _bf16: every output one sum in a fixed order, whatever the row count
+    # native.c's tr_linear_f16 / _f32 / _bf16 / _amx: every output one sum in a fixed order, whatever the row count
     # (row-invariant by construction; ``row_invariant`` checks it like any other layout's)
     tiles = packed.tiles
     if not _native_linear:
         from . import native
-        _native_linear.update({dtype: native.linear(dtype) for dtype in (torch.float16, torch.float32, torch.bfloat16)})
-    run = _native_linear.get(tiles.dtype)
+        _native_linear.update({kind: native.linear(kind) for kind in native.LINEAR})
+    run = _native_linear.get(packed.kernel)
     if run is None:
-        raise RuntimeError(f"native {tiles.dtype} linear not built here (needs AVX-512 F/BW/VL and a C compiler)")
+        raise RuntimeError(f"native {packed.kernel} linear not built here (needs AVX-512 F/BW/VL and a C compiler; "
+                           f"AMX tiles also the CPU's AMX and the kernel's grant)")
     if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != packed.in_features:
         raise ValueError(f"native linear takes contiguous fp32 (rows, {packed.in_features}), not "
                          f"{x.dtype} {tuple(x.shape)}")
@@ -196,7 +226,7 @@ def _bare_call(name: str):
     if name not in STACK_LAYOUTS.values() or name not in LAYOUTS:
         return None
     from . import native
-    fn = native.linear(TILE_DTYPE[LAYOUTS[name].fmt])
+    fn = native.linear(TILE_KIND[LAYOUTS[name].fmt])
     if fn is None:
         return None
     threads = torch.get_num_threads()
@@ -206,7 +236,7 @@ def _bare_call(name: str):
     return call
 
 
-_native_linear: dict = {}  # weight dtype -> native.linear(dtype), found on first use (None: not here)
+_native_linear: dict = {}  # native.LINEAR's key -> native.linear(key), found on first use (None: not here)
 
 
 def _same(w: torch.Tensor) -> torch.Tensor:
@@ -273,15 +303,20 @@ def _layouts() -> dict[str, Layout]:
                                   _linear_native, True)
             out["bf16n"] = Layout("bf16n", "bf16p", "bf16 weights and products, C kernel built for this CPU",
                                   _bf16_tiles, _linear_native, True)
+            out["amxn"] = Layout("amxn", "amx", "bf16 weights and products on AMX tiles, C kernel built for this CPU",
+                                 _amx_tiles, _linear_native, True)
     return out
 
 
 # in order of preference at a tie (see TIE)
 LAYOUTS: dict[str, Layout] = _layouts()
 # activations and the model
-FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bfloat16, "bf16p": torch.float32}
-DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear", "bf16p": "bf16n"}  # beyond the timed rows
-TILE_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16p": torch.bfloat16}  # native.c's weights per format
+FORMAT_DTYPE = {"fp32": torch.float32, "fp16": torch.float32, "bf16": torch.bfloat16, "bf16p": torch.float32,
+                "amx": torch.float32}
+# beyond the timed rows
+DEFAULT_LAYOUT = {"fp32": "linear", "fp16": "fp16w", "bf16": "bf16-linear", "bf16p": "bf16n", "amx": "amxn"}
+# native.c's linear layer per format (``native.LINEAR``'s key: the weights' dtype, or "amx")
+TILE_KIND = {"fp32": torch.float32, "fp16": torch.float16, "bf16p": torch.bfloat16, "amx": "amx"}
 
 
 # A row count may be computed as a larger one (zero rows added, then dropped): some matmuls are slower for 1 row
@@ -326,7 +361,7 @@ def available_layouts() -> tuple[str, ...]:
             got = layout.run(x, layout.pack(w))
         except (AttributeError, RuntimeError, NotImplementedError):
             continue
-        tol = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "bf16p": 5e-2}[layout.fmt]
+        tol = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2, "bf16p": 5e-2, "amx": 5e-2}[layout.fmt]
         if got.shape == (3, 24) and torch.allclose(got.float(), F.linear(x32, w32), rtol=tol, atol=tol):
             names.append(name)
     return tuple(names)
@@ -724,6 +759,9 @@ class KernelPlan:
     # ``whole_note`` says why the linear layers' times alone chose it
     whole_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     whole_note: str = ""
+    # the formats whose whole prepared model gave a position other logits alone than in a tree or a prefill here
+    # (``kernels.invariant_plans``): format -> what differed; none of them is offered
+    dropped: dict[str, str] = field(default_factory=dict)
 
     def layout_for(self, shape: str, rows: int) -> str:
         """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
