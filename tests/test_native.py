@@ -230,24 +230,29 @@ def _cpu_has_avx512_for_linear() -> bool:
 
 @needs_compiler
 @pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
-@pytest.mark.parametrize("name, dtype", [("fp16n", torch.float16), ("native", torch.float32),
-                                         ("bf16n", torch.bfloat16)])
+@pytest.mark.parametrize("name, kind", [("fp16n", torch.float16), ("native", torch.float32),
+                                        ("bf16n", torch.bfloat16), ("amxn", "amx")])
 @pytest.mark.parametrize("out_features, in_features", [(80, 48), (7, 37), (3, 1000), (129, 16)])
-def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(name, dtype, out_features,
+def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(name, kind, out_features,
                                                                                  in_features):
-    """native.c's linear layers (the "fp16n", "native" and "bf16n" layouts) against the product of the (rounded)
-    weights (and, for bf16 products, rounded inputs), with tails in rows, inputs and outputs; every row's bits equal at
-    every row count and thread count, also with cancelling sums (where a different order of additions shows)."""
+    """native.c's linear layers (the "fp16n", "native", "bf16n" and "amxn" layouts) against the product of the
+    (rounded) weights (and, for bf16 products, rounded inputs), with tails in rows, inputs and outputs; every row's
+    bits equal at every row count and thread count, also with cancelling sums (where a different order of additions
+    shows)."""
     from tr_core.speed.layouts import LAYOUTS, available_layouts
     library_here()
-    if dtype == torch.bfloat16 and native.linear(dtype) is None:
+    if kind == torch.bfloat16 and native.linear(kind) is None:
         pytest.skip("bf16 products need AVX-512 BF16")
-    assert native.linear(dtype) is not None and name in available_layouts()
+    if kind == "amx" and native.linear(kind) is None:
+        pytest.skip("AMX tiles need a CPU with amx_tile and amx_bf16, and the kernel's grant of the tile state")
+    assert native.linear(kind) is not None and name in available_layouts()
+    dtype = torch.bfloat16 if kind == "amx" else kind
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(in_features)
     weight = torch.randn(out_features, in_features, generator=g)
     packed = layout.pack(weight)
     assert packed.tiles.dtype == dtype and (packed.out_features, packed.in_features) == weight.shape
+    assert packed.kernel == kind
     x = torch.randn(81, in_features, generator=g)
     x[:, ::2] *= 1e4  # large terms that cancel in part: the rounding depends on the order of the sum
     full = layout.run(x, packed)
@@ -262,7 +267,7 @@ def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(
             set_fetch(fetch)
             for count in (1, threads):
                 torch.set_num_threads(count)
-                for rows in (*range(1, 26), 33):  # each kernel (1-12 rows) alone and after 12
+                for rows in (*range(1, 26), 33, 47, 81):  # each kernel (1-12 rows) alone and after 12; AMX tiles
                     for start in (0, 81 - rows):
                         assert torch.equal(layout.run(x[start:start + rows].contiguous(), packed),
                                            full[start:start + rows]), (rows, start, count, fetch)
@@ -292,7 +297,8 @@ def test_the_c_linear_is_absent_without_the_library(rebuilt, monkeypatch):
 
 @needs_compiler
 @pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="the C linear layers need AVX-512 F/BW/VL")
-@pytest.mark.parametrize("mode, name", [("exact", "native"), ("fast", "fp16n"), ("fast", "bf16n")])
+@pytest.mark.parametrize("mode, name", [("exact", "native"), ("fast", "fp16n"), ("fast", "bf16n"),
+                                        ("fast", "amxn")])
 @torch.inference_mode()
 def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch, mode, name):
     """``tr_layers`` (the body's layers in one C call, where every linear layer runs native.c's kernel) against the
@@ -307,7 +313,7 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     assert lean.fuse(model) and lean.stackable(model)
     counts = {s: len(ls) for s, ls in layouts.linear_shapes(model).items()}
     # a layout of the same format faster call by call, slower than the bare calls (bf16 products have none)
-    others = {"native": ("linear",), "fp16n": ("fp16w",), "bf16n": ()}[name]
+    others = {"native": ("linear",), "fp16n": ("fp16w",), "bf16n": (), "amxn": ()}[name]
     timings = {(s, r, n): ms for s in counts for r in (1, 2, 4) for n, ms in ((name, 1.0),) + tuple(
         (other, 0.8) for other in others)}
     plan = layouts.make_plan(mode, timings, counts, (name, *others), invariant={s: [name, *others] for s in counts},

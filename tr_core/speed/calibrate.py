@@ -345,7 +345,7 @@ def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
 
 
 # the instruction whose peak bounds a format's linear layers from below (``native.peak_products``'s kinds)
-PEAK_OF_FORMAT = {"fp32": "fma", "fp16": "fma", "bf16p": "bf16dot"}
+PEAK_OF_FORMAT = {"fp32": "fma", "fp16": "fma", "bf16p": "bf16dot", "amx": "amx"}
 
 
 def step_floor_ms(rows: int, stream_ms: float, products: int, peak: float | None, attention: int = 0,

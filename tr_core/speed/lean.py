@@ -106,6 +106,8 @@ class _Part(nn.Module):
         return f"{self.name}[{self.start}:{self.end}]"
 
 
+# tr_layers' code of each of native.c's linear layers (``layouts.WeightTiles.kernel`` -> its ``f16`` argument)
+KERNEL_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, "amx": 3}
 FUSED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
 
 
@@ -449,7 +451,7 @@ class LeanLlama:
                 if packed is None or getattr(lin, "bias", None) is not None:
                     return None
                 tiles.append(packed)
-            dtypes.update(t.tiles.dtype for t in tiles)
+            dtypes.update(t.kernel for t in tiles)
             all_tiles += tiles
             inter = tiles[3].in_features
             if not (w1.dtype == w2.dtype == torch.float32 and w1.is_contiguous() and w2.is_contiguous()):
@@ -457,13 +459,13 @@ class LeanLlama:
             pointers.append([w1.data_ptr(), tiles[0].tiles.data_ptr(), tiles[1].tiles.data_ptr(), w2.data_ptr(),
                              tiles[2].tiles.data_ptr(), tiles[3].tiles.data_ptr()])
             eps.append([eps1, eps2])
-        if len(dtypes) != 1 or dtypes - {torch.float16, torch.float32, torch.bfloat16}:
+        if len(dtypes) != 1 or dtypes - set(KERNEL_CODES):
             return None
         # the tiles and norms' memory is also held here (the layers may let go of it); the program is made anew after
         # the linears were swapped (``_layers``) or a norm's memory changed (``_program``)
         held = [t.detach() for row in calls for t in (row[0], row[4])] + [t.tiles for t in all_tiles]
         return (torch.tensor(pointers, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
-                {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtypes.pop()], inter, held,
+                KERNEL_CODES[dtypes.pop()], inter, held,
                 _norm_pointers(calls))
 
     def _stacked(self, program, hidden, cos, sin, padded, rows, cache) -> torch.Tensor:

@@ -7,10 +7,13 @@
  * how many rows a call has. fp32 throughout. Built by native.py on the machine that runs it (gcc -O3 -march=native)
  * and called through ctypes with raw pointers; the caller checks shapes, dtypes and contiguity.
  */
+#define _GNU_SOURCE /* syscall, for the AMX tile state (tr_amx_ready) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
@@ -546,16 +549,178 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* y (n, out) = x (n, in) @ w^T on AMX tiles (tr_linear_amx): w bf16, x rounded to bf16 (to nearest even), fp32 sums,
+ * fp32 out. The weights come in blocks of AMX_OUT = 32 outputs (layouts.py's amx pack): block b holds, for each run k
+ * of 32 inputs in order, two B tiles (outputs 32b..32b+15, then 32b+16..32b+31), each 16 rows of input pairs by 16
+ * outputs (row p: output o's weights of inputs 32k + 2p and 32k + 2p + 1 side by side; zeros past out and in), 1 kB
+ * each, so a block is read front to back. The rows go in tiles of 16 (the last padded with zero rows).
+ *
+ * Each output y[r][o] is one sum whatever the call: a tile accumulator at 0, then one tdpbf16ps per run of 32 inputs,
+ * runs in order; an accumulator's row r depends on row r of the inputs alone, so a row's bits do not depend on how
+ * many rows the call has (padding rows are other rows). Row tiles go two at a time against a block's two B tiles
+ * (4 accumulators, 2 A and 2 B tiles: the 8 tile registers); the block's weights come from memory on the first pair
+ * (prefetched AMX_AHEAD bytes ahead) and from the core's cache for the others, so many rows cost arithmetic, not
+ * more reading. Needs the tile state granted to the process (tr_amx_ready) and configured in each thread. */
+#define AMX_OUT 32
+#define AMX_IN 32
+#define AMX_AHEAD 4096
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where this process may use the AMX tiles (asked of the kernel once: arch_prctl ARCH_REQ_XCOMP_PERM), else 0. */
+int tr_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        unsigned long bits = 0;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0)
+            ready = 0;
+        else
+            ready = syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && (bits >> XFEATURE_XTILEDATA & 1);
+    }
+    return ready;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) { /* tmm0-3 accumulators (16 x 16 fp32), tmm4-5 A (16 x 32 bf16), tmm6-7 B */
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* One block of 32 outputs against the row tiles m0 (and m0 + 1 where two): a (row tiles of 16 rows, kb * 32 bf16),
+ * its rows `lda` bytes apart; the block's tiles w; out: the accumulators stored, 32 rows by 32 floats. */
+static void amx_block(const uint16_t *a, int64_t lda, const uint16_t *w, int kb, int m0, int two, int fetch,
+                      float *out) {
+    const char *arow = (const char *)a + (int64_t)m0 * 16 * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < kb; k++) {
+        const uint16_t *b = w + (int64_t)k * 2 * 512;
+        if (fetch)
+            for (int f = 0; f < 2048; f += 64) _mm_prefetch((const char *)b + AMX_AHEAD + f, _MM_HINT_T0);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_loadd(4, arow + k * 64, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, arow + 16 * lda + k * 64, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+    if (two) {
+        _tile_stored(2, out + 16 * 32, 128);
+        _tile_stored(3, out + 16 * 32 + 16, 128);
+    }
+}
+
+void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
+    int kb = (in + AMX_IN - 1) / AMX_IN, mt = (n + 15) / 16, count = (out + AMX_OUT - 1) / AMX_OUT;
+    int64_t lda = (int64_t)kb * AMX_IN * 2; /* bytes between rows of the rounded inputs */
+    if (n <= 0) return;
+    uint16_t *a = aligned_alloc(64, (size_t)mt * 16 * lda);
+    if (!a) abort(); /* tens of kB a call: without them the process could not go on anyway */
+    memset(a, 0, (size_t)mt * 16 * lda);
+    for (int r = 0; r < n; r++) { /* each row's inputs rounded to bf16, zeros past in */
+        const float *xr = x + (int64_t)r * in;
+        uint16_t *h = (uint16_t *)((char *)a + r * lda);
+        for (int i = 0; i < in; i += 32) {
+            float part[32] = {0};
+            int m = in - i < 32 ? in - i : 32;
+            memcpy(part, xr + i, sizeof(float) * m);
+            _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(part + 16), _mm512_loadu_ps(part)));
+        }
+    }
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        amx_configure();
+        float c[32 * 32];
+        _Pragma("omp for schedule(static)")
+        for (int t = 0; t < count; t++) {
+            const uint16_t *w = tiles + (int64_t)t * kb * 2 * 512;
+            int o0 = t * AMX_OUT, cols = out - o0 < AMX_OUT ? out - o0 : AMX_OUT;
+            for (int m = 0; m < mt; m += 2) {
+                int two = m + 1 < mt;
+                amx_block(a, lda, w, kb, m, two, m == 0, c);
+                int r0 = m * 16, rows = n - r0 < (two ? 32 : 16) ? n - r0 : (two ? 32 : 16);
+                for (int r = 0; r < rows; r++)
+                    memcpy(y + (int64_t)(r0 + r) * out + o0, c + r * 32, sizeof(float) * cols);
+            }
+        }
+        _tile_release();
+    }
+    free(a);
+}
+#endif
+
 /* The CPU's peak rate of the linear layers' products, for calibrate.py's limits: each of `threads` threads runs
  * `rounds` rounds of 16 independent chains of one multiply instruction on registers (no memory: the arithmetic
  * alone). kind (the codes of tr_layers' f16): 0 fp32 fused multiply-adds (16 products each; the fp32 and fp16-weight
- * layers' instruction), 2 bf16 dot products (32 each; tr_linear_bf16's). 16 chains: more than the instructions'
+ * layers' instruction), 2 bf16 dot products (32 each; tr_linear_bf16's), 3 AMX tile products (amx_peak). 16 chains: more than the instructions'
  * latency times their throughput (on an AMD EPYC, 8 chains already ran at the peak), few enough to stay in registers
  * (24 in an array spilled to memory and ran at half the rate). sink[thread]: a sum that keeps the work from being
  * optimised away. Returns the threads that ran side by side (1 where built without OpenMP: the threads' rounds then
  * ran one after another), or 0 for a kind not built here (nothing run). */
 #define CHAINS16(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* kind 3: AMX tile products (tdpbf16ps, 16 x 16 x 32 = 8,192 products each; tr_linear_amx's), 16 a round into 4
+ * accumulators, on tiles loaded once with bf16 values of mixed signs and magnitudes (the rate falls by half and more
+ * from tiles of equal values to such ones, measured here: the products' data is part of their cost). */
+static int amx_peak(int64_t rounds, int threads, float *sink) {
+    if (!tr_amx_ready()) return 0;
+    _Pragma("omp parallel for schedule(static, 1) num_threads(threads)")
+    for (int t = 0; t < threads; t++) {
+        uint16_t data[2][512] __attribute__((aligned(64)));
+        uint32_t r = 12345u + (uint32_t)t;
+        for (int i = 0; i < 1024; i++) {
+            r = r * 1103515245u + 12345u;
+            data[i / 512][i % 512] = (uint16_t)(0x3f80u ^ ((r >> 16) & 0x807fu)); /* sign and low mantissa bits */
+        }
+        float out[256];
+        amx_configure();
+        _tile_loadd(4, data[0], 64);
+        _tile_loadd(5, data[1], 64);
+        _tile_loadd(6, data[1], 64);
+        _tile_loadd(7, data[0], 64);
+        for (int64_t i = 0; i < rounds; i++)
+            for (int j = 0; j < 4; j++) {
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        _tile_stored(0, out, 64);
+        sink[t] = out[0];
+        _tile_release();
+    }
+#ifdef _OPENMP
+    return threads;
+#else
+    return 1;
+#endif
+}
+#endif
 int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (kind == 3) return amx_peak(rounds, threads, sink);
+#endif
 #ifdef __AVX512BF16__
     if (kind != 0 && kind != 2) return 0;
 #else
@@ -597,7 +762,8 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
 /* The decoder layers of a Llama-family model for one step's n rows, the same calls the lean forward makes from
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
- * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16); eps (layers, 2) the norms'
+ * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16, AMX tiles where 3: tr_linear_amx);
+ * eps (layers, 2) the norms'
  * epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position
  * past on, and their floats per kv head. hidden (n, d): the embedded rows, the residual stream updated in place; x
  * (n, d): the final norm's output. The buffers: qkv
@@ -615,8 +781,14 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
 #else
 #define LINEAR_BF16(in_rows, tiles, in, out, y) abort()
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LINEAR_AMX(in_rows, tiles, in, out, y) tr_linear_amx(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)
+#else
+#define LINEAR_AMX(in_rows, tiles, in, out, y) abort()
+#endif
 #define LINEAR_CALL(in_rows, tiles, in, out, y)                                                                    \
-    (f16 == 2 ? LINEAR_BF16(in_rows, tiles, in, out, y)                                                            \
+    (f16 == 3 ? LINEAR_AMX(in_rows, tiles, in, out, y)                                                             \
+     : f16 == 2 ? LINEAR_BF16(in_rows, tiles, in, out, y)                                                          \
      : f16    ? tr_linear_f16(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)                          \
               : tr_linear_f32(in_rows, (const float *)(tiles), n, in, out, y, threads))
     for (int l = 0; l < layers; l++) {

@@ -6,9 +6,10 @@ arithmetic. ``native.c`` does each group of them in one call on raw fp32 buffers
 (``gcc -O3 -march=native``, so it uses this CPU's vector units) into the cache folder, keyed by its source, the
 compiler and the CPU; where there is no C compiler, or the build or its self-check fails, ``library()`` is None and
 the lean forward keeps its torch operations (``status()`` says why). Where the CPU has AVX-512, it also holds linear
-layers (fp32 and fp16 weights, ``linear``; bf16 weights and products where it also has AVX-512 BF16): candidates the
-kernel chooser measures beside torch's (layouts.py's "native", "fp16n" and "bf16n"), and a measurement of the CPU's
-peak rate of their multiply instructions (``peak_products``, for ``calibrate --show``'s limits).
+layers (fp32 and fp16 weights, ``linear``; bf16 weights and products where it also has AVX-512 BF16, and on AMX
+tiles where it has AMX and the kernel grants the process the tile state): candidates the kernel chooser measures
+beside torch's (layouts.py's "native", "fp16n", "bf16n" and "amxn"), and a measurement of the CPU's peak rate of their
+multiply instructions (``peak_products``, for ``calibrate --show``'s limits).
 """
 
 from __future__ import annotations
@@ -48,17 +49,22 @@ SIGNATURES = {
 OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P, _P, _I, _I, _I, _P, _I],
             # and where the CPU has AVX-512 BF16: bf16 weights and products (layouts.py's "bf16n")
             "tr_linear_bf16": [_P, _P, _I, _I, _I, _P, _I],
+            # and where the CPU has AMX (amx_tile, amx_bf16): bf16 weights in AMX tiles (layouts.py's "amxn"), once
+            # the kernel grants the process the tile state (tr_amx_ready, asked by ``_optional_check``)
+            "tr_amx_ready": [], "tr_linear_amx": [_P, _P, _I, _I, _I, _P, _I],
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
                           _P, _P, _P, _P, _P, _P, _F, _I],
             # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
             "tr_peak_products": [_I, _L, _I, _P],
             # from how many rows the linear layers prefetch their weights (``fetch_from_rows``: chosen here)
             "tr_fetch_from_rows": [_I]}
-RETURNS = {"tr_peak_products": ctypes.c_int}  # the functions that return something (the others return nothing)
+# the functions that return something (the others return nothing)
+RETURNS = {"tr_peak_products": ctypes.c_int, "tr_amx_ready": ctypes.c_int}
 # optional functions no step calls: left out of the timing caches' tag (``tag``; the prefetch's choice is in it)
-UNTIMED = {"tr_peak_products", "tr_fetch_from_rows"}
-# by the weights' dtype
-LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16"}
+UNTIMED = {"tr_peak_products", "tr_fetch_from_rows", "tr_amx_ready"}
+# by the weights' dtype, and "amx" for bf16 weights in AMX tiles (``layouts.WeightTiles.kernel``)
+LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16",
+          "amx": "tr_linear_amx"}
 _WHY: list[str] = []
 _SOURCE_TEXT = SOURCE.read_text() if SOURCE.exists() else ""  # a copy of the package without the C: torch's ops
 _SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).encode()).hexdigest()[:8]
@@ -159,10 +165,11 @@ def library():
 _OPTIONAL_HERE: dict = {}  # the optional functions built here that passed their check (``library``)
 
 
-def linear(dtype: torch.dtype):
-    """The C linear layer for weights of ``dtype`` (fp16: ``tr_linear_f16``, fp32: ``tr_linear_f32``, bf16:
-    ``tr_linear_bf16``), or None where the library or the CPU lacks it (or it failed its check)."""
-    return _OPTIONAL_HERE.get(LINEAR.get(dtype)) if library() is not None else None
+def linear(kind: torch.dtype | str):
+    """The C linear layer for weights of ``kind`` (fp16: ``tr_linear_f16``, fp32: ``tr_linear_f32``, bf16:
+    ``tr_linear_bf16``, ``"amx"``: ``tr_linear_amx``), or None where the library or the CPU lacks it (or it failed
+    its check)."""
+    return _OPTIONAL_HERE.get(LINEAR.get(kind)) if library() is not None else None
 
 
 def stacked():
@@ -172,14 +179,16 @@ def stacked():
 
 
 # the products a peak measures (``peak_products``): its kind in native.c, products per instruction, and its name
-PEAK_KINDS = {"fma": (0, 16, "fp32 multiply-adds"), "bf16dot": (2, 32, "bf16 dot products")}
+PEAK_KINDS = {"fma": (0, 16, "fp32 multiply-adds"), "bf16dot": (2, 32, "bf16 dot products"),
+              "amx": (3, 16 * 16 * 32, "AMX bf16 tile products")}
 PEAK_CHAINS = 16  # the instructions a thread runs a round in tr_peak_products (native.c's CHAINS16)
 
 
 def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> float | None:
     """The CPU's peak rate of one linear-layer instruction on ``threads`` threads side by side (default torch's), in
     products a second, measured now: ``"fma"`` fp32 fused multiply-adds (the fp32 and fp16-weight layers),
-    ``"bf16dot"`` bf16 dot products (the bf16-product layers). The arithmetic alone, on registers: a ceiling no linear
+    ``"bf16dot"`` bf16 dot products (the bf16-product layers), ``"amx"`` AMX tile products (the AMX layers, on tiles of
+    mixed values: ``amx_peak`` in native.c). The arithmetic alone, on registers: a ceiling no linear
     layer can pass. None where it is not measured here: no library, a CPU without AVX-512 (the C linear layers'
     condition) or without the instruction, or a library built without OpenMP (its threads would not run together)."""
     fn = _OPTIONAL_HERE.get("tr_peak_products") if library() is not None else None
@@ -329,14 +338,20 @@ def _optional_check(name: str, fn) -> bool:
     """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs). ``tr_layers`` has
     no check of its own: it makes the checked calls in the lean forward's order (the suite checks it against that
     forward made call by call, bit for bit)."""
+    if name == "tr_amx_ready":
+        return bool(fn())
     if name not in LINEAR.values():
         return True
-    dtype = next(d for d, n in LINEAR.items() if n == name)
+    kind = next(d for d, n in LINEAR.items() if n == name)
+    if kind == "amx" and "tr_amx_ready" not in _OPTIONAL_HERE:  # checked before it (``OPTIONAL``'s order)
+        return False  # the kernel did not grant the tile state: the first tile instruction would kill the process
+    dtype = torch.bfloat16 if kind == "amx" else kind
     from .layouts import weight_tiles
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g).to(dtype)
-    y, tiles = torch.empty(6, 7, dtype=torch.float32), weight_tiles(w, dtype).tiles
+    y, tiles = torch.empty(6, 7, dtype=torch.float32), weight_tiles(w, dtype, amx=kind == "amx").tiles
     fn(x.data_ptr(), tiles.data_ptr(), 6, 37, 7, y.data_ptr(), torch.get_num_threads())
     if dtype == torch.bfloat16:  # the products' inputs rounded to bf16, each product exact in fp32
         x = x.to(torch.bfloat16).float()
     return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
+
