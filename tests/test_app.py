@@ -237,13 +237,18 @@ def test_tree_choices_list_the_fitted_tree_then_every_template(tmp_path):
 
 def test_the_tree_note_says_what_the_run_drafts_with():
     tree = SimpleNamespace(size=10, name="auto")
-    fitted = SimpleNamespace(predicted_speedup=1.234, context=256)
+    fitted = SimpleNamespace(predicted_speedup=1.234, context=256, table=[])
     assert tree_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=False), "auto") == \
         "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step over a " \
         "256-token context)"
     assert tree_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=True), "auto").startswith(
         "tree auto: starts at 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step "
         "over a 256-token context), then sizes each step's tree by the step times it measures")
+    fitted.table = [dict(nodes=n, step_ms=10.0 + n) for n in range(1, 21)]  # the step times it was fitted on
+    assert tree_note(SimpleNamespace(tree=tree, fitted=fitted, adaptive=False), "auto") == \
+        "tree auto: 9 draft nodes fitted to this machine (predicted 1.23× over plain decoding, per step over a " \
+        "256-token context; verifying them, 10 rows with the root, costs 1.82× a one-token step here, 20 rows would " \
+        "cost 2.73×)"
     small = SimpleNamespace(size=13, name="small")
     assert tree_note(SimpleNamespace(tree=small, fitted=None), "auto") == \
         "tree auto: no acceptance statistics for this model, so the small tree (12 draft nodes)"

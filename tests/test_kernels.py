@@ -12,7 +12,7 @@ from tr_core.speed.layouts import LAYOUTS, available_layouts, choose_format, cho
 needs_fbgemm = pytest.mark.skipif(not fp16_weights_available(),
                                   reason="this torch build has no fbgemm fp16-weight linear")
 # relative error of a product of unit-scale values, per format
-ROUNDING = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 3e-2, "bf16p": 3e-2}
+ROUNDING = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 3e-2, "bf16p": 3e-2, "amx": 3e-2}
 
 
 def test_output_head_equals_the_models_own_output_layer():
@@ -401,9 +401,12 @@ def test_a_cached_plan_keeps_only_the_layouts_that_run_here(tmp_path, monkeypatc
 # --- the fast format, chosen on whole steps ----------------------------------------------------------------------
 
 def _stub_linear_times(monkeypatch, ms: dict[str, float]):
-    """Every layout of ``ms`` available, row-invariant, and timed at ``ms[layout]`` for every shape and row count."""
+    """Every layout of ``ms`` available, row-invariant (and every format's whole model: ``invariance.check``), and
+    timed at ``ms[layout]`` for every shape and row count."""
+    from tr_core.speed import invariance
     monkeypatch.setattr(layouts, "available_layouts", lambda: tuple(ms))
     monkeypatch.setattr(layouts, "row_invariant", lambda shapes, names: {s: list(names) for s in shapes})
+    monkeypatch.setattr(invariance, "check", lambda model, ids=None, pasts=invariance.PASTS: {})
 
     def fake_measure(model, names, report_busy, **kw):
         return {(s, r, n): ms[n] for s in linear_shapes(model) for r in (1, 2, 4, 16) for n in names}, False
@@ -526,3 +529,35 @@ def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was(
     assert all(set(by) == {1, 4} and 0 < by[1] <= by[4] for by in steps.values())
     assert kernels.plan_of(model) is None and all(type(m) is not kernels.ChosenLinear for m in model.modules())
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+@needs_fbgemm
+def test_a_format_whose_whole_model_is_not_batch_invariant_is_never_offered(monkeypatch, tmp_path):
+    """fp16 weights win on every timing, but their prepared model fails ``invariance.check`` (stubbed): the chooser
+    drops them, runs the next format, and says why; where every format fails, the plan says it is not invariant."""
+    from tr_core.speed import calibrate, invariance
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 3.0})
+    failing = {"fp16"}
+    checked = []
+
+    def fake_check(model, ids=None, pasts=invariance.PASTS):
+        fmt = kernels.plan_of(model).fmt
+        checked.append(fmt)
+        return {130: {"tree of 2": [0, 0], "prefill in 7s": [0, 5, 0, 0] if fmt in failing else [0, 0, 0, 0]}}
+    monkeypatch.setattr(invariance, "check", fake_check)
+    monkeypatch.setattr(calibrate, "whole_steps_ms", lambda models, sizes, **kw: (
+        {name: {n: {"fp32": 8.0, "fp16": 4.0, "bf16": 6.0}[name] for n in sizes} for name in models}, False))
+    plan = prepare_model(tiny_model("llama", dtype=torch.float32), "fast")
+    assert sorted(checked) == ["bf16", "fp16", "fp32"]
+    why = "gave other logits in a prefill in 7s than alone (at a 130-token past: [0, 5, 0, 0] differing)"
+    assert plan.fmt == "bf16" and plan.invariant and plan.dropped == {"fp16": why}
+    assert f"the fp16 weights format, whose whole model {why}" in kernels.describe_invariance(plan)
+    # the verdicts are cached per machine: a second model is not checked again
+    assert prepare_model(tiny_model("llama", dtype=torch.float32), "fast").fmt == "bf16" and len(checked) == 3
+    failing.update({"fp32", "bf16"})
+    exact = prepare_model(tiny_model("llama", dtype=torch.float32), "exact")
+    assert not exact.invariant and exact.dropped == {"fp32": why}
+    assert kernels.describe_invariance(exact).startswith(
+        f"NOT batch-invariant on this CPU: checked whole, the model {why}")

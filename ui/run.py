@@ -76,8 +76,26 @@ def tree_note(engine: Engine, requested: str, fitted=None) -> str:
         return start + (adapts if engine.adaptive else ", so the fitted tree is plain decoding; pick another tree "
                                                        "to watch drafting")
     where = f", per step over a {fitted.context}-token context" if isinstance(fitted.context, int) else ""
-    fit = f"fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where})"
+    fit = (f"fitted to this machine (predicted {fitted.predicted_speedup:.2f}× over plain decoding{where}"
+           f"{why_size(fitted, engine.tree.size)})")
     return f"tree auto: starts at {nodes} {fit}{adapts}" if engine.adaptive else f"tree auto: {nodes} {fit}"
+
+
+def why_size(fitted, size: int) -> str:
+    """Why the fitted tree has its ``size`` (nodes, root included), from the step times it was fitted on: what
+    verifying it costs here against a one-token step, and what twice as many rows would cost; ``""`` without them.
+
+    >>> from types import SimpleNamespace as NS
+    >>> rows = [dict(nodes=n, step_ms=10.0 + n) for n in range(1, 21)]
+    >>> why_size(NS(table=rows), 10)
+    '; verifying them, 10 rows with the root, costs 1.82× a one-token step here, 20 rows would cost 2.73×'
+    """
+    table = {row["nodes"]: row["step_ms"] for row in fitted.table if "step_ms" in row}
+    if not table.get(1) or not table.get(size):
+        return ""
+    more = max((n for n in table if n <= 2 * size), default=size)
+    said = f"; verifying them, {size} rows with the root, costs {table[size] / table[1]:.2f}× a one-token step here"
+    return said + (f", {more} rows would cost {table[more] / table[1]:.2f}×" if more > size else "")
 
 
 def draft_note(engine: Engine, method: str, tree: str) -> str:

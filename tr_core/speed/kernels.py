@@ -102,9 +102,10 @@ def describe_invariance(plan: KernelPlan, attention: bool = True) -> str:
     """Whether the plan's linear kernels (and, by ``attention``, the model's attention) give a row the same bits
     whatever rows go with it, checked on this machine (what makes every method's output plain decoding's), and which
     layouts the plan left out for not doing so."""
-    dropped = sorted({LAYOUTS[n].label for names in plan.excluded.values() for n in names})
+    dropped = [", ".join(sorted({LAYOUTS[n].label for names in plan.excluded.values() for n in names}))]
     dropped += [f"the {SHORT_NAMES[fmt]} format, whose whole model {why}" for fmt, why in plan.dropped.items()
                 if fmt != plan.fmt]
+    dropped = [d for d in dropped if d]
     left_out = f" (left out as row-dependent here: {'; '.join(dropped)})" if dropped else ""
     if not attention:
         return ("NOT batch-invariant: this model's attention is torch's fused kernel (only Llama-family models on a "

@@ -599,11 +599,45 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* One block of 32 outputs against the row tiles m0 (and m0 + 1 where two): a (row tiles of 16 rows, kb * 32 bf16),
- * its rows `lda` bytes apart; the block's tiles w; out: the accumulators stored, 32 rows by 32 floats. */
-static void amx_block(const uint16_t *a, int64_t lda, const uint16_t *w, int kb, int m0, int two, int fetch,
-                      float *out) {
-    const char *arow = (const char *)a + (int64_t)m0 * 16 * lda;
+/* One block of 32 outputs against one row tile m0 (a: row tiles of 16 rows, kb * 32 bf16 each, `lda` bytes apart;
+ * w: the block's tiles): accumulators tmm0-1, the A tile tmm4, the B tiles in tmm6-7 and tmm2-3 by turns, so the next
+ * run's weights load while the last run's products are made (tiles have no renaming: a load into a tile waits for
+ * the product reading it). Stores the 16 rows by 32 floats to out (rows 32 floats apart). */
+static void amx_block1(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    int k = 0;
+    for (; k + 2 <= kb; k += 2) {
+        const uint16_t *b = w + (int64_t)k * 2 * 512;
+        if (fetch)
+            for (int f = 0; f < 4096; f += 64) _mm_prefetch((const char *)b + AMX_AHEAD + f, _MM_HINT_T0);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_loadd(2, b + 1024, 64);
+        _tile_loadd(3, b + 1536, 64);
+        _tile_loadd(4, arow + k * 64, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, arow + (k + 1) * 64, lda);
+        _tile_dpbf16ps(0, 5, 2);
+        _tile_dpbf16ps(1, 5, 3);
+    }
+    if (k < kb) {
+        const uint16_t *b = w + (int64_t)k * 2 * 512;
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 512, 64);
+        _tile_loadd(4, arow + k * 64, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, out, 128);
+    _tile_stored(1, out + 16, 128);
+}
+
+/* The same against the row tiles m0 and m0 + 1 (two): 4 accumulators tmm0-3, A tiles tmm4-5, B tiles tmm6-7 (all 8
+ * tile registers); 32 rows by 32 floats to out. Each accumulator gets the same products in the same order as in
+ * amx_block1: a row's bits do not depend on which of the two ran it. */
+static void amx_block2(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -612,12 +646,20 @@ static void amx_block(const uint16_t *a, int64_t lda, const uint16_t *w, int kb,
         const uint16_t *b = w + (int64_t)k * 2 * 512;
         if (fetch)
             for (int f = 0; f < 2048; f += 64) _mm_prefetch((const char *)b + AMX_AHEAD + f, _MM_HINT_T0);
-        _tile_loadd(6, b, 64);
-        _tile_loadd(7, b + 512, 64);
         _tile_loadd(4, arow + k * 64, lda);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
+        if (k % 2 == 0) { /* each load comes after the products that read its tile, and while others run */
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, arow + 16 * lda + k * 64, lda);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_dpbf16ps(2, 5, 6);
+        } else {
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
             _tile_loadd(5, arow + 16 * lda + k * 64, lda);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
@@ -625,10 +667,8 @@ static void amx_block(const uint16_t *a, int64_t lda, const uint16_t *w, int kb,
     }
     _tile_stored(0, out, 128);
     _tile_stored(1, out + 16, 128);
-    if (two) {
-        _tile_stored(2, out + 16 * 32, 128);
-        _tile_stored(3, out + 16 * 32 + 16, 128);
-    }
+    _tile_stored(2, out + 16 * 32, 128);
+    _tile_stored(3, out + 16 * 32 + 16, 128);
 }
 
 void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out, float *y, int threads) {
@@ -658,7 +698,11 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
             int o0 = t * AMX_OUT, cols = out - o0 < AMX_OUT ? out - o0 : AMX_OUT;
             for (int m = 0; m < mt; m += 2) {
                 int two = m + 1 < mt;
-                amx_block(a, lda, w, kb, m, two, m == 0, c);
+                const char *arow = (const char *)a + (int64_t)m * 16 * lda;
+                if (two)
+                    amx_block2(arow, lda, w, kb, m == 0, c);
+                else
+                    amx_block1(arow, lda, w, kb, m == 0, c);
                 int r0 = m * 16, rows = n - r0 < (two ? 32 : 16) ? n - r0 : (two ? 32 : 16);
                 for (int r = 0; r < rows; r++)
                     memcpy(y + (int64_t)(r0 + r) * out + o0, c + r * 32, sizeof(float) * cols);
