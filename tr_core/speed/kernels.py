@@ -298,7 +298,7 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
     there is one format, or no memory for the copies, the linear layers' choice, and the plan says why.
     ``remeasure``: time the layouts and the whole steps again."""
     plans = layouts.format_plans(model, mode, gain=gain, remeasure=remeasure)
-    plans, dropped = invariant_plans(model, plans, remeasure=remeasure)
+    plans = invariant_plans(model, plans, remeasure=remeasure)
     first = next(iter(plans.values()))
     if len(plans) < 2:
         return first
@@ -319,14 +319,14 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
 
 
 def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: bool = False
-                    ) -> tuple[dict[str, KernelPlan], dict[str, str]]:
+                    ) -> dict[str, KernelPlan]:
     """The plans of ``plans`` (format -> plan, ``layouts.format_plans``) whose whole prepared model is batch-invariant
-    here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), and the
-    formats left out with what differed. Each format's plan is put into a copy of ``model`` in turn and checked
-    (seconds each), the verdicts cached per machine, model, mode, plans and the forward's code (``remeasure``: not
-    read). Where a plan's layouts are not row-invariant already (``plan.invariant`` false) it is kept as it is: its
-    description says so. Where no format passes, every plan is kept, each marked not invariant with why (the exact
-    mode has only fp32)."""
+    here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), each
+    holding the formats left out with what differed (``KernelPlan.dropped``). Each format's plan is put into a copy
+    of ``model`` in turn and checked (seconds each), the verdicts cached per machine, model, mode, plans and the
+    forward's code (``remeasure``: not read). A plan whose layouts are not row-invariant already (``plan.invariant``
+    false), or whose model does not run the batch-invariant attention, is kept unchecked: its description says so.
+    Where no format passes, every plan is kept, each marked not invariant with why (the exact mode has only fp32)."""
     import copy
     import hashlib
     import json
@@ -365,11 +365,13 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
     write_atomically(path, json.dumps(verdicts, indent=1))
     dropped = {fmt: why for fmt, why in verdicts.items() if why and fmt in plans}
     kept = {fmt: plan for fmt, plan in plans.items() if fmt not in dropped}
-    for plan in (kept or plans).values():
-        plan.dropped = dict(dropped)
-        if not kept:
+    if not kept:  # none passes: the plans as they were, each saying so
+        for plan in plans.values():
             plan.invariant = False
-    return kept or plans, dropped
+        kept = plans
+    for plan in kept.values():
+        plan.dropped = dict(dropped)
+    return kept
 
 
 def available_memory_bytes() -> int | None:

@@ -599,10 +599,10 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* One block of 32 outputs against one row tile m0 (a: row tiles of 16 rows, kb * 32 bf16 each, `lda` bytes apart;
- * w: the block's tiles): accumulators tmm0-1, the A tile tmm4, the B tiles in tmm6-7 and tmm2-3 by turns, so the next
- * run's weights load while the last run's products are made (tiles have no renaming: a load into a tile waits for
- * the product reading it). Stores the 16 rows by 32 floats to out (rows 32 floats apart). */
+/* One block of 32 outputs against one row tile (arow: its 16 rows of kb * 32 bf16, `lda` bytes apart; w: the block's
+ * tiles): accumulators tmm0-1; runs two at a time, A tiles tmm4 then tmm5 and B tiles tmm6-7 then tmm2-3, so the
+ * next run's tiles load while the last run's products are made (tiles have no renaming: a load into a tile waits
+ * for the products reading it). Stores the 16 rows by 32 floats to out (rows 32 floats apart). */
 static void amx_block1(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out) {
     _tile_zero(0);
     _tile_zero(1);
