@@ -136,9 +136,12 @@ def weight_tiles(w: torch.Tensor, dtype: torch.dtype, amx: bool = False) -> Weig
     input pairs by 16 outputs ((ceil(out / 32), ceil(in / 32), 2, 16, 16, 2): [b, k, half, p, o, j] is the weight of
     output 32b + 16 half + o, input 32k + 2p + j; zeros past ``out`` and ``in``); else input by input.
 
-    >>> t = weight_tiles(torch.arange(40 * 33.).view(40, 33), torch.bfloat16, amx=True).tiles
-    >>> tuple(t.shape), t[0, 0, 1, 0, 0].tolist(), t[1, 1, 0, 0, 2].tolist(), t[0, 1, 0, 0, 0].tolist()
-    ((2, 2, 2, 16, 16, 2), [528.0, 529.0], [1088.0, 0.0], [32.0, 0.0])
+    >>> inputs = weight_tiles(torch.arange(33.).expand(40, 33), torch.bfloat16, amx=True).tiles  # w[o, i] = i
+    >>> outputs = weight_tiles(torch.arange(40.)[:, None].expand(40, 33), torch.bfloat16, amx=True).tiles  # = o
+    >>> tuple(inputs.shape), inputs[0, 0, 1, 3, 0].tolist(), inputs[0, 1, 0, 0, 5].tolist()
+    ((2, 2, 2, 16, 16, 2), [6.0, 7.0], [32.0, 0.0])
+    >>> outputs[1, 0, 0, 0, 2].tolist(), outputs[0, 0, 1, 0, 3].tolist(), outputs[1, 0, 1, 0, 0].tolist()
+    ([34.0, 34.0], [19.0, 19.0], [0.0, 0.0])
     """
     out, inp = w.shape
     if amx:
