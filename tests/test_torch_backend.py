@@ -67,6 +67,17 @@ def test_a_rows_logits_are_the_same_alone_and_in_a_tree():
         assert torch.equal(single, logits[node])
 
 
+def test_t_of_n_runs_past_the_paper_trees_81_nodes():
+    # a GPU's sizes go to 128 (timing.SIZES): a step of 96 nodes verifies a tree of 96, not the paper's 81 with 96
+    # tokens (which raised at model load on CUDA, in Engine -> rows_curve)
+    from tr_core.fixed import timing
+    model = tiny_model("llama", dtype=torch.float32)
+    curve = timing.rows_curve(model, sizes=(1, 81, 96, 128), repeats=1, use_cache_file=False)
+    assert sorted(curve) == [1, 81, 96, 128] and all(curve[a] <= curve[b] for a, b in zip((1, 81, 96), (81, 96, 128)))
+    assert [timing.timing_tree(n).size for n in (81, 96, 128)] == [81, 96, 128]
+    assert set(load_template("paper").node_paths) < set(timing.timing_tree(96).node_paths)  # the paper tree, grown
+
+
 def test_key_slots_put_each_rows_ancestors_right_after_the_cache():
     visible = build_tree([(0,), (1,), (0, 0)]).mask  # rows: root, a, b, a's child
     index, valid = key_slots(torch.tensor(3), visible, slots=8)
