@@ -90,7 +90,7 @@ def why_size(fitted, size: int) -> str:
     >>> why_size(NS(table=rows), 10)
     '; verifying them, 10 rows with the root, costs 1.82× a one-token step here, 20 rows would cost 2.73×'
     """
-    table = {row["nodes"]: row["step_ms"] for row in fitted.table if "step_ms" in row}
+    table = {row["nodes"]: row["step_ms"] for row in fitted.table}
     if not table.get(1) or not table.get(size):
         return ""
     more = max((n for n in table if n <= 2 * size), default=size)

@@ -340,9 +340,10 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
                     layouts.source_digest(invariance, lean, attention, sys.modules[__name__])])
     name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
     path = default_cache_dir() / "kernels" / f"invariant-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
-    verdicts: dict[str, str] = {}
+    verdicts: dict[str, str | None] = {}
     if path.is_file() and not remeasure:
         verdicts = json.loads(path.read_text())
+    known = dict(verdicts)
     said = _LATEST.get(mode)
     try:
         for fmt, plan in plans.items():
@@ -361,8 +362,9 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
             _LATEST.pop(mode, None)
         else:
             _LATEST[mode] = said
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps(verdicts, indent=1))
+    if verdicts != known:  # written where something was checked now
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(verdicts, indent=1))
     dropped = {fmt: why for fmt, why in verdicts.items() if why and fmt in plans}
     kept = {fmt: plan for fmt, plan in plans.items() if fmt not in dropped}
     if not kept:  # none passes: the plans as they were, each saying so
