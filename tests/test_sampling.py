@@ -282,8 +282,8 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(dist_model, monkeypatch):
     model, exact = dist_model
     right = decoding.choose
 
-    def accept_inside_the_set(logits, k, sampler, positions, tokens, tree):
-        chosen, top, probs = right(logits, k, sampler, positions, tokens, tree)
+    def accept_inside_the_set(logits, k, sampler, positions, tokens, tree, whole=None):
+        chosen, top, probs = right(logits, k, sampler, positions, tokens, tree, whole)
         kept = sampler.sampling.processed(logits).isfinite()
         chosen, taken = chosen.clone(), set()
         for i, parent in enumerate(tree.parents.tolist()[1:], start=1):

@@ -12,7 +12,7 @@ from tr_core import AdjacencyMatrix, PlainDrafter, PromptLookupDrafter, Recyclin
 from tr_core.backend import make_backend, resolve_backend, resolve_device
 from tr_core.decoding import accept, accept_on_device
 from tr_core.fixed import TorchBackend
-from tr_core.fixed.rows import key_slots
+from tr_core.fixed.rows import WINDOW, key_slots
 from tr_core.sampling import Sampling
 from tr_core.tree import build_tree, chain_tree, tree_from_parents
 
@@ -43,25 +43,27 @@ def test_every_drafter_equals_plain_decoding_on_fp32_random_models(arch):
                 assert max(len(e.tree_tokens) for e in got.events) <= 16  # the paper's 80 nodes cut to the rows
 
 
-def test_a_rows_logits_are_the_same_alone_and_in_a_tree():
-    model = tiny_model("llama", dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("past", [20, 70])  # in the first attention window, and past its end (a shared part)
+def test_a_rows_logits_are_the_same_alone_and_in_a_tree(past, dtype):
+    model = tiny_model("llama", dtype=dtype)
     backend = TorchBackend(model, 8)
-    seq = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1))
+    seq = torch.randint(0, VOCAB, (past + 10,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        alone = backend.start(30, 8)
-        alone.prefill(seq[:20])
+        alone = backend.start(past + 10, 8)
+        alone.prefill(seq[:past])
         singles = []
-        for i in range(20, 26):  # one token a pass, as plain decoding runs
+        for i in range(past, past + 6):  # one token a pass, as plain decoding runs
             singles.append(alone.verify(seq[i:i + 1], chain_tree(0), i)[0])
             alone.keep(i, 1, torch.tensor([0]))
         # the same six tokens as the accepted path of a tree with other branches between them
-        together = backend.start(30, 8)
-        together.prefill(seq[:20])
+        together = backend.start(past + 10, 8)
+        together.prefill(seq[:past])
         parents = [-1, 0, 1, 0, 2, 4, 3, 5]
-        tokens = torch.tensor([int(seq[20]), int(seq[21]), int(seq[22]), 7, int(seq[23]), int(seq[24]), 9,
-                               int(seq[25])])
+        tokens = seq[past:past + 8].clone()[[0, 1, 2, 0, 3, 4, 0, 5]]
+        tokens[3], tokens[6] = 7, 9
         tree, order = tree_from_parents(parents, [0] * 8)
-        logits = together.verify(tokens[order], tree, 20)
+        logits = together.verify(tokens[order], tree, past)
     on_path = [order.index(i) for i in (0, 1, 2, 4, 5, 7)]
     for single, node in zip(singles, on_path):
         assert torch.equal(single, logits[node])
@@ -75,17 +77,89 @@ def test_t_of_n_runs_past_the_paper_trees_81_nodes():
     curve = timing.rows_curve(model, sizes=(1, 81, 96, 128), repeats=1, use_cache_file=False)
     assert sorted(curve) == [1, 81, 96, 128] and all(curve[a] <= curve[b] for a, b in zip((1, 81, 96), (81, 96, 128)))
     assert [timing.timing_tree(n).size for n in (81, 96, 128)] == [81, 96, 128]
+    # t(1) is plain decoding on one row, unpadded, as its label says (a run of 1 row was 8 rows before)
+    assert TorchBackend(model, 1).rows == 1 and TorchBackend(model, 3).rows == 8
     assert set(load_template("paper").node_paths) < set(timing.timing_tree(96).node_paths)  # the paper tree, grown
 
 
-def test_key_slots_put_each_rows_ancestors_right_after_the_cache():
+def test_attention_reads_the_cache_in_place_and_gathers_only_each_rows_window():
+    # issue 53, item 3: the cache (here 1024 slots) is never copied once per row; what is gathered per row holds at
+    # most WINDOW keys or values of each kv head (its own window)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_model("llama", dtype=torch.float32)
+    backend = TorchBackend(model, 16)
+    text = model.config
+    kv_heads, head_dim = text.num_key_value_heads, text.hidden_size // text.num_attention_heads
+    largest = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.index.Tensor, torch.ops.aten.gather.default) and out.shape[-1] == head_dim:
+                largest.append(out.numel())
+            return out
+
+    with torch.inference_mode():
+        run = backend.start(1000, 24)
+        run.prefill(torch.randint(0, VOCAB, (900,), generator=torch.Generator().manual_seed(0)))
+        tree = load_template("small")
+        with Sizes():
+            run.verify(torch.randint(0, VOCAB, (tree.size,)), tree, 900)
+    assert run.slots >= 1024 and largest
+    assert max(largest) <= kv_heads * backend.rows * WINDOW * head_dim, (max(largest), run.slots)
+
+
+def test_the_bytes_a_pass_moves_in_attention_at_88_rows_and_1024_slots():
+    from tr_core.fixed.rows import bytes_a_pass
+    moved = bytes_a_pass(30, 3, 64, 88, 1024, 2)  # the embedded model's attention shape in bf16
+    assert moved["cache"] == 30 * 2 * 3 * 1024 * 64 * 2  # keys and values, each read once
+    assert moved["windows"] == 30 * 2 * 3 * 88 * WINDOW * 64 * 2  # each row's window of values, written then read
+
+
+def test_a_sampled_steps_reductions_run_over_every_row_of_the_fixed_shape(monkeypatch):
+    # issue 53, item 5: on a GPU a reduction's split depends on how many rows it runs over, so a sampled step's
+    # softmax totals and top-p sums run over all R rows of the pass whatever the draft's size (tokens unchanged)
+    import tr_core.sampling as sampling_module
+
+    model = tiny_model("llama", dtype=torch.float32)
+    backend = TorchBackend(model, 16)
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=4)
+    prompt = _prompts(1, seed=3)[0]
+    drafter = RecyclingDrafter(AdjacencyMatrix(VOCAB, 8), load_template("small"))
+    before = run(model, prompt, drafter, 24, sampling=sampling, backend=backend).token_ids
+    rows_seen = []
+    processed, logsumexp = Sampling.processed, torch.logsumexp
+
+    def spy_processed(self, logits):
+        rows_seen.append(logits.shape[0])
+        return processed(self, logits)
+
+    def spy_logsumexp(x, *args, **kwargs):
+        rows_seen.append(x.shape[0])
+        return logsumexp(x, *args, **kwargs)
+
+    monkeypatch.setattr(Sampling, "processed", spy_processed)
+    monkeypatch.setattr(sampling_module.torch, "logsumexp", spy_logsumexp)
+    drafter = RecyclingDrafter(AdjacencyMatrix(VOCAB, 8), load_template("small"))
+    got = run(model, prompt, drafter, 24, sampling=sampling, backend=backend)
+    monkeypatch.undo()
+    assert got.token_ids == before and len(rows_seen) >= 2 * got.steps
+    assert set(rows_seen) == {backend.rows}, sorted(set(rows_seen))
+
+
+def test_key_slots_put_each_rows_ancestors_in_its_window_right_after_the_cached_keys():
     visible = build_tree([(0,), (1,), (0, 0)]).mask  # rows: root, a, b, a's child
     index, valid = key_slots(torch.tensor(3), visible, slots=8)
     rows = 4
     zero = 8 + rows
-    assert index[3].tolist() == [0, 1, 2, 8, 9, 11, zero, zero]  # cache, root, a, itself
-    assert index[2].tolist() == [0, 1, 2, 8, 10, zero, zero, zero]  # cache, root, itself
+    assert index.shape == (4, WINDOW)
+    assert index[3, :8].tolist() == [0, 1, 2, 8, 9, 11, zero, zero]  # cache, root, a, itself
+    assert index[2, :8].tolist() == [0, 1, 2, 8, 10, zero, zero, zero]  # cache, root, itself
     assert valid.sum(1).tolist() == [4, 5, 5, 6]
+    # past a window's start, the window holds the cached keys from that start on; those before it are shared
+    index, valid = key_slots(torch.tensor(WINDOW + 2), visible, slots=200)
+    assert index[3, :6].tolist() == [WINDOW, WINDOW + 1, 200, 201, 203, 204] and valid.sum(1).tolist() == [3, 4, 4, 5]
 
 
 def test_acceptance_on_the_device_equals_the_hosts():
@@ -197,3 +271,28 @@ def test_cuda_drafting_on_the_device_gives_the_hosts_drafts():
         predicted = torch.randint(0, 3, (tree.size,), generator=g)
         assert (accept_on_device(tokens.cuda(), predicted.cuda(), tree).tolist()
                 == accept_on_device(tokens, predicted, tree).tolist())
+
+
+def test_the_device_check_runs_end_to_end_on_the_cpu(tmp_path):
+    # issue 53, item 2: every line of scripts/device_check.sh but the CUDA graphs runs here before a GPU sees it
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHON=sys.executable)
+    done = subprocess.run(["bash", "scripts/device_check.sh", "--device", "cpu", "--quick", "--cache-dir",
+                           str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "== exact (float32) ==" in out and "== fast (bfloat16) ==" in out, out[-3000:]
+    for curve in re.findall(r"^  1:1\.00, .*$", out, re.M):
+        assert curve.split(", ")[-1].startswith("128:"), curve  # t(N) up to 128 nodes on the torch backend
+    assert len(re.findall(r"^bytes a step at 88 rows, 1024 cached positions: .* = \d\.\d\dx", out, re.M)) == 2, out
+    identical = re.findall(r"^(plain|pld|tr|tr-paper|tr-context|plain-1row) +(\d+)/(\d+)", out, re.M)
+    assert len(identical) == 12 and all(a == b for _, a, b in identical), identical
+    assert "checks missed: none" in out, out[-3000:]
+    # t(N) measured once a mode, in the folder given, and the engine read that curve (no second measurement)
+    assert len(list(tmp_path.rglob("*.json"))) == 2, list(tmp_path.rglob("*"))

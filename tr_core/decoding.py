@@ -165,16 +165,20 @@ class Step:
 
 
 def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: torch.Tensor, tokens: torch.Tensor,
-           tree: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+           tree: TreeBuffers, whole: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         list[float]]:
     """The model's choice after every node (n,), each node's ``k`` best next tokens by the raw logits (n, k) for the
     drafter (None for ``k`` = 0), and, in a sampled step, each node's probability at its parent (else []).
     ``logits`` (n, V); ``positions`` (n,): the absolute position of the token chosen after each node. Without a
-    ``sampler`` the choice is greedy, exactly ``greedy_and_top_k``'s."""
+    ``sampler`` the choice is greedy, exactly ``greedy_and_top_k``'s. ``whole``: the pass's logits at its fixed
+    shape (R, V), of which ``logits`` are the first n rows (the torch backend): a sampled step's reductions
+    (softmax totals, top-p sums) then run over all R rows, so how a device splits them never depends on n."""
     if sampler is None:
         return *greedy_and_top_k(logits, k), []
     top = top_k(logits, k).indices if k else None
-    processed = sampler.sampling.processed(logits)
-    return sampler.choose(logits, positions, processed), top, draft_probabilities(processed, tokens, tree.parents)
+    processed = sampler.sampling.processed(logits if whole is None else whole)
+    probs = draft_probabilities(processed, tokens, tree.parents, every_row=whole is not None)
+    return sampler.choose(logits, positions, processed[:logits.shape[0]]), top, probs
 
 
 def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int | None,
@@ -200,7 +204,8 @@ def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int 
     _sync(device)
     t1 = time.perf_counter()
     logits = run.verify(tokens, tree, past_len)
-    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions + 1, tokens, tree)
+    predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions + 1, tokens, tree,
+                                         getattr(run, "logits", None))
     _sync(device)
     t2 = time.perf_counter()
 

@@ -180,9 +180,12 @@ class Sampler:
         return chosen
 
 
-def draft_probabilities(processed: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> list[float]:
+def draft_probabilities(processed: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                        every_row: bool = False) -> list[float]:
     """Each tree node's probability under its parent's processed distribution (the root: 1.0), as plain floats.
-    ``processed`` (n, V) per node; ``tokens``, ``parents`` (n,) in BFS order, ``parents[0] == -1``.
+    ``processed`` (n, V) per node (or more rows: padding); ``tokens``, ``parents`` (n,) in BFS order,
+    ``parents[0] == -1``. ``every_row``: the totals are reduced over every row of ``processed`` (a fixed shape)
+    rather than over the parents' rows alone.
 
     >>> z = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
     >>> [round(p, 3) for p in draft_probabilities(z, torch.tensor([2, 1]), torch.tensor([-1, 0]))]
@@ -190,6 +193,9 @@ def draft_probabilities(processed: torch.Tensor, tokens: torch.Tensor, parents: 
     """
     if tokens.numel() == 1:
         return [1.0]
-    up, inverse = parents[1:].to(processed.device).unique(return_inverse=True)  # each parent's row once
-    log_total = torch.logsumexp(processed[up], dim=-1)[inverse]
+    if every_row:
+        log_total = torch.logsumexp(processed, dim=-1)[parents[1:].to(processed.device)]
+    else:
+        up, inverse = parents[1:].to(processed.device).unique(return_inverse=True)  # each parent's row once
+        log_total = torch.logsumexp(processed[up], dim=-1)[inverse]
     return [1.0] + (processed[parents[1:], tokens[1:].to(processed.device)] - log_total).exp().tolist()

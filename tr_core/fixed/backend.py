@@ -4,7 +4,8 @@ A run (``FixedRun``) computes each pass over ``rows`` query rows (the draft's no
 reads) and ``slots`` key slots (``rows.py``): plain decoding and every method then run the same kernels on the same
 shapes, and each row reads the keys plain decoding would read, in its order. A row's numbers so depend on its own
 inputs only, and every method's tokens equal plain decoding's on this backend, on a CPU or a GPU alike. The prefill
-goes in passes of ``rows`` prompt tokens (a chain), the same passes again.
+goes in passes of at most ``rows`` prompt tokens (a chain) that end at attention windows' ends, the same passes
+again.
 
 The model runs its own transformers forward, with ``rows.fixed_rows_attention`` as its attention implementation
 (registered with transformers; where no run's buffers are given, it falls back to SDPA, so the model still works as
@@ -79,6 +80,7 @@ class FixedRun:
         self._capture = capture
         self._captured: graph.CapturedPass | None = None
         self.passes = 0
+        self.logits: torch.Tensor | None = None  # the latest verified pass's logits, all its rows (rows, V)
 
     def _pass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-shape pass over the static inputs: hidden states (rows, d) and logits (rows, V)."""
@@ -113,10 +115,11 @@ class FixedRun:
         return self._captured.replay()
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        out, rows_, past = [], self.max_nodes, 0
-        for start in range(0, ids.numel(), rows_):
-            chunk = ids[start:start + rows_]
-            n = chunk.numel()
+        """The prompt in chains of at most ``rows`` tokens that never cross an attention window's end."""
+        out, past = [], 0
+        while past < ids.numel():
+            n = min(self.max_nodes, rows.window_room(past) + 1, ids.numel() - past)
+            chunk = ids[past:past + n]
             chain = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             hidden, _ = self._run(chunk, torch.arange(past, past + n, device=self.device), chain, past)
             out.append(hidden[:n].clone())
@@ -125,15 +128,19 @@ class FixedRun:
         return torch.cat(out) if out else ids.new_zeros((0, self.weight.shape[1]), dtype=self.weight.dtype)
 
     def verify(self, tokens: torch.Tensor, tree: TreeBuffers, past_len: int) -> torch.Tensor:
+        if tree.max_depth > rows.window_room(past_len):
+            raise ValueError(f"a tree {tree.max_depth} deep on {past_len} cached positions crosses an attention "
+                             f"window's end ({rows.window_room(past_len)} positions left in it)")
         positions = past_len + tree.depth.to(self.device)
-        _, logits = self._run(tokens, positions, tree.mask.to(self.device), past_len)
-        return logits[:tokens.numel()]
+        _, self.logits = self._run(tokens, positions, tree.mask.to(self.device), past_len)
+        return self.logits[:tokens.numel()]
 
     def keep(self, past_len: int, tree_size: int, path: torch.Tensor) -> None:
         self.state.compact(past_len, path)
 
     def room(self, past_len: int) -> tuple[int, str] | None:
-        return None
+        # a pass's rows lie in one attention window (rows.py): the draft is cut at its end
+        return rows.window_room(past_len), "at an attention window's end"
 
 
 class TorchBackend:
@@ -144,7 +151,8 @@ class TorchBackend:
         if why:
             raise ValueError(f"the torch backend cannot run this model: {why}")
         self.model, self.device = model, model.device
-        self.rows = round_up(rows_ or default_rows(self.device), TILE)
+        # one row stays one row: plain decoding unpadded, the speed baseline a padded run is compared with
+        self.rows = 1 if rows_ == 1 else round_up(rows_ or default_rows(self.device), TILE)
         self.capture = graph.can_capture(self.device) if capture is None else capture
         rows.use_for(model)
         head = model.get_output_embeddings()

@@ -25,6 +25,7 @@ from ..models import default_cache_dir, file_name
 from ..topk import greedy_and_top_k
 from ..tree import build_tree, chain_tree, load_template
 from .backend import TILE, TorchBackend, round_up
+from .rows import window_start
 
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 81, 96, 128)  # draft-tree sizes t(N) is measured for (nodes)
 CPU_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # on a CPU, where a pass's cost grows fast with its rows
@@ -71,12 +72,13 @@ def timing_tree(n: int):
 
 @torch.inference_mode()
 def time_rows(model: PreTrainedModel, rows: int, n: int, prefix: int, repeats: int = 5) -> float:
-    """Median ms of a step verifying ``n`` nodes (the paper tree's first n) on a run of ``rows`` rows."""
+    """Median ms of a step verifying ``n`` nodes (``timing_tree(n)``) on a run of ``rows`` rows (1: unpadded)."""
     backend = TorchBackend(model, rows)
+    assert backend.rows == rows, (backend.rows, rows)  # the label says what ran
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
-    run = backend.start(prefix + 1, 1)
-    run.prefill(torch.randint(0, vocab, (prefix,), generator=g).to(model.device))
+    run = backend.start(prefix + n, 1)
+    run.state.kv.normal_()  # a ``prefix``-token cache (what is in it does not change a pass's time; no prefill)
     tree = timing_tree(n)
     tokens = torch.randint(0, vocab, (n,), generator=g).to(model.device)
     times = []
@@ -100,6 +102,7 @@ def rows_curve(model: PreTrainedModel, prefix: int = 256, sizes: Sequence[int] |
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos:
         prefix = max(1, min(prefix, max_pos - round_up(max(sizes), TILE) - 2))
+    prefix = window_start(prefix)  # a window's first position: room for any tree's depth (the cost is the same)
     path = default_cache_dir() / "calibration" / f"{machine_key(model, prefix)}.json"
     if use_cache_file and path.is_file():
         cached = {int(k): v for k, v in json.loads(path.read_text()).items()}
