@@ -1218,3 +1218,51 @@ def test_a_run_hands_its_freed_memory_back_when_it_ends(monkeypatch):
     with pytest.raises(RuntimeError), handlers._stoppable(request, object()):
         raise RuntimeError("the run failed")
     assert released == [True, True]
+
+
+def test_live_and_the_race_decode_on_the_torch_backend_where_the_setting_says_so(tiny_folder, monkeypatch):
+    # issue 53: TR_BACKEND=torch makes the app decode on the torch backend (a GPU's path), here on the CPU; the
+    # session's matrix follows the model's device and comes back to the CPU for the session's record
+    import copy
+
+    from ui.models import BACKEND_SETTING
+
+    _, model, tokenizer = tiny_folder
+    model = copy.deepcopy(model)  # the torch backend sets the model's attention implementation
+    monkeypatch.setenv(BACKEND_SETTING, "torch")
+    models = ModelCache(load=lambda model_id, config: Engine(model, tokenizer, config))
+    session = Session()
+    live = LiveRun(session, models, settings(sampling=(0.8, 0.95, 0, 3)))
+    live.prepare()
+    assert live.engine.backend.name == "torch" and live.engine.matrix.device == model.device
+    snaps = list(live.snapshots())
+    assert snaps[-1].done and snaps[-1].baseline.identical is True  # plain decoding's very tokens
+    assert session.matrix_delta is not None and len(session.matrix_delta.index) > 0
+    race = Race(session, models, settings(race=("pld", "tr", "tr-context")))
+    race.prepare()
+    assert race.engine.backend.name == "torch"
+    assert list(race.progress())[-1].done
+    plain = session.race.rounds["plain"][0].token_ids
+    assert len(plain) == 12 and all(run.token_ids == plain for runs in session.race.rounds.values() for run in runs)
+    monkeypatch.setenv(BACKEND_SETTING, "cuda")
+    with pytest.raises(ValueError, match="TR_BACKEND='cuda': choose one of auto, native, torch"):
+        ModelCache()
+
+
+def test_the_sessions_matrix_follows_the_models_device_and_its_record_stays_on_the_cpu(tiny_models):
+    # the rule a run on a GPU keeps, read on the CPU with a device torch can make anywhere ("meta"): the working copy
+    # a run drafts from is on the engine's model's device; the shared start and the session's delta stay on the CPU
+    engine = tiny_models.get("")
+    elsewhere = SimpleNamespace(model=SimpleNamespace(device=torch.device("meta"), config=engine.model.config),
+                                vocab_size=engine.vocab_size, config=engine.config)
+    session = Session()
+    for hot in (True, False):
+        matrix, _ = session.matrix_for(elsewhere, "", hot)
+        assert matrix.device.type == "meta"
+    taught = AdjacencyMatrix(engine.vocab_size, engine.config.top_k)
+    taught.update(torch.tensor([5, 6]), torch.arange(16).view(2, 8))
+    session.matrix_for(engine, "", True)
+    session.keep_matrix(taught)
+    assert session.matrix_base.device.type == "cpu" and session.matrix_delta.index.tolist() == [5, 6]
+    with pytest.raises(ValueError, match="the matrix is on meta, the model on cpu: pass matrix.to"):
+        engine.with_matrix(taught.to("meta"))

@@ -296,3 +296,77 @@ def test_the_device_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert "checks missed: none" in out, out[-3000:]
     # t(N) measured once a mode, in the folder given, and the engine read that curve (no second measurement)
     assert len(list(tmp_path.rglob("*.json"))) == 2, list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("sampling", [None, Sampling(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_one_host_read_a_step_for_plain_pld_tr_and_tr_context(sampling, monkeypatch, embedded):
+    # issue 53, item 4: on the torch backend every read of device data to the host a step makes is counted on the
+    # CPU (tests/device_reads.py), with the matrix on "the device" (its host-only paths, the CPU's, turned off):
+    # one a step, the step's packed read; the tokens stay plain decoding's
+    from device_reads import DeviceReads
+
+    from tr_core import decoding
+    from tr_core.engine import Engine, EngineConfig
+    from tr_core.matrix import AdjacencyMatrix as Matrix
+
+    model, tokenizer = embedded
+    model = tiny_copy(model)
+    engine = Engine(model, tokenizer, EngineConfig(backend="torch", tree="auto", rows=16))
+    monkeypatch.setattr(Matrix, "on_host", lambda self: False)  # the code a matrix on a GPU runs
+    prompt = engine.encode("List the planets of the solar system, then list them again in the same order.")
+    step = decoding.resident_step
+    counter: DeviceReads | None = None
+    steps = []
+
+    def counted(*args, **kwargs):
+        counter.counting = True
+        before = len(counter.reads)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            counter.counting = False
+            steps.append(counter.reads[before:])
+
+    monkeypatch.setattr(decoding, "resident_step", counted)
+    plain = None
+    for method in ("plain", "pld", "tr", "tr-context"):
+        drafter = engine.with_matrix(engine.fresh_matrix()).drafter(method)
+        steps.clear()
+        counter = DeviceReads(*model.parameters(), *model.buffers(), getattr(drafter, "matrix", Matrix(1)).rows)
+        with counter:
+            got = run(model, prompt, drafter, 24, sampling=sampling, backend=engine.backend)
+        plain = plain or got.token_ids
+        assert got.token_ids == plain, method
+        more = [reads for reads in steps if len(reads) != 1]
+        assert len(steps) == got.steps and not more, (method, more)
+        assert all(reads[0].startswith("decoding.py") and reads[0].endswith(" tolist") for reads in steps)
+        if method == "tr-context":
+            assert any(len(e.tree_tokens) > 1 for e in got.events)  # it drafted
+
+
+def test_on_cuda_a_step_is_timed_by_events_on_the_stream_not_by_waiting(monkeypatch):
+    # issue 53, item 4: the verifier's time on CUDA comes from two events, read after the step's one read
+    from tr_core.decoding import StepClock
+
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            recorded.append(self)
+
+        def elapsed_time(self, end):
+            return 7.5 if recorded == [self, end] else -1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a step waits for the device"))
+    clock = StepClock(torch.device("cuda"))
+    clock.start()
+    clock.stop()
+    assert clock.ms() == 7.5 and len(recorded) == 2
+    cpu = StepClock(torch.device("cpu"))
+    cpu.start()
+    cpu.stop()
+    assert 0 <= cpu.ms() < 1000

@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .backend import Backend, Run, make_backend
-from .drafters import Drafter, Outcome
+from .drafters import Drafter, OnHost, Outcome
 from .events import Rates, RowUpdate, StepEvent
 from .models import max_positions
 from .sampling import Sampler, Sampling, draft_probabilities
@@ -160,8 +160,9 @@ class Step:
     budget: int | None = None
     budget_estimates: dict = field(default_factory=dict)
     draft_probs: list[float] = field(default_factory=list)
-    token_list: list[int] = field(default_factory=list)  # ``tokens`` and ``predicted`` as read to the host
+    token_list: list[int] = field(default_factory=list)  # ``tokens``, ``predicted`` and ``path`` as read to the host
     predicted_list: list[int] = field(default_factory=list)
+    path_list: list[int] = field(default_factory=list)
 
 
 def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: torch.Tensor, tokens: torch.Tensor,
@@ -181,23 +182,70 @@ def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: tor
     return sampler.choose(logits, positions, processed[:logits.shape[0]]), top, probs
 
 
+def read_to_host(*tensors: torch.Tensor | None) -> list[list]:
+    """The one deliberate read from the device a step makes (the torch backend): ``tensors`` flattened into one
+    copy, then split back into Python lists (None stays None). Integers come back as ints; where a float tensor is
+    among them the copy is float64, which holds every token id exactly, and the integers are turned back. Counted in
+    ``HOST_READS``.
+
+    >>> read_to_host(torch.tensor([3, 4]), None, torch.tensor([[0.5, 1.0]]))
+    [[3, 4], None, [0.5, 1.0]]
+    """
+    present = [t.flatten() for t in tensors if t is not None]
+    floats = any(t.is_floating_point() for t in present)
+    flat = torch.cat([t.double() if floats else t.long() for t in present]).tolist() if present else []
+    HOST_READS["reads"] += 1
+    out, at = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        part = flat[at:at + t.numel()]
+        at += t.numel()
+        out.append(part if t.is_floating_point() or not floats else [int(v) for v in part])
+    return out
+
+
+HOST_READS = {"reads": 0}  # read_to_host's calls in this process (the device check prints them a step)
+
+
+class StepClock:
+    """The verifier's time in a step: on CUDA two events recorded on the stream (no wait), read once the step's one
+    read has waited for the device anyway; elsewhere the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events[0].record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._events[1].record()
+        self._t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        """After the step's read: the milliseconds between ``start`` and ``stop`` on the device."""
+        return self._events[0].elapsed_time(self._events[1]) if self.cuda else (self._t1 - self._t0) * 1e3
+
+
 def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int | None,
                 sampler: Sampler | None = None) -> Step:
     """Draft, verify the draft in one forward pass, accept, keep the accepted path in the ``run``'s cache, and let
-    the drafter learn. ``context`` (L,): the sequence so far, of which the cache holds all but the last token (the
-    root). ``sampler``: how tokens are chosen (None: greedy).
+    the drafter learn. ``context`` (L,): the sequence so far, on the host, of which the cache holds all but the last
+    token (the root). ``sampler``: how tokens are chosen (None: greedy). On a run whose tensors live on a device
+    (``run.resident``: the torch backend), ``resident_step`` does it with one read.
     """
+    if getattr(run, "resident", False):
+        return resident_step(run, context, drafter, max_pos, sampler)
     started = time.perf_counter()
     device, past_len = context.device, context.numel() - 1
     draft = drafter.propose(context)
-    tokens, tree = draft.tokens, draft.tree
-    if max_pos is not None and past_len + tree.max_depth >= max_pos:
-        tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
-    room = run.room(past_len)
-    if room is not None and tree.max_depth > room[0]:
-        tokens, tree = cut_depth(tokens, tree, *room)
-    if run.max_nodes is not None and tree.size > run.max_nodes:
-        tokens, tree = cut_size(tokens, tree, run.max_nodes, "(the rows of a pass on this backend)")
+    tokens, tree = _fit(run, draft.tokens, draft.tree, past_len, max_pos)
     if tree.parents.device != device:
         tree = tree.to(device)
     positions = past_len + tree.depth.to(device)
@@ -225,6 +273,71 @@ def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int 
     new_tokens = [token_list[i] for i in path_list[1:]] + [bonus]
     return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, draft.budget,
                 draft.estimates, draft_probs, token_list, predicted_list)
+
+
+def _fit(run: Run, tokens: torch.Tensor, tree: TreeBuffers, past_len: int,
+         max_pos: int | None) -> tuple[torch.Tensor, TreeBuffers]:
+    """The draft cut to what the step has room for: the context's end, the run's window, its rows."""
+    if max_pos is not None and past_len + tree.max_depth >= max_pos:
+        tokens, tree = tokens[:1], chain_tree(0)  # no room for a draft near the end of the context
+    room = run.room(past_len)
+    if room is not None and tree.max_depth > room[0]:
+        tokens, tree = cut_depth(tokens, tree, *room)
+    if run.max_nodes is not None and tree.size > run.max_nodes:
+        tokens, tree = cut_size(tokens, tree, run.max_nodes, "(the rows of a pass on this backend)")
+    return tokens, tree
+
+
+def resident_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int | None,
+                  sampler: Sampler | None = None) -> Step:
+    """``verify_step`` where the model, the cache, the logits and the drafter's matrix live on a device: the choice,
+    the acceptance and the matrix's update stay there, and one read (``read_to_host``) brings back what the host
+    needs (the accepted path, the draft and the choices, each node's top-k, the rows the drafter peeks at, a sampled
+    step's draft probabilities). The draft comes from the host's ``context`` (the root and the n-gram matches need
+    no read); on CUDA the verifier's time is taken by events (``StepClock``). The trees stay the host's, their
+    tensors copied once per device (``TreeBuffers.on``)."""
+    started = time.perf_counter()
+    device, past_len = run.device, context.numel() - 1
+    draft = drafter.propose(context)
+    tokens, tree = _fit(run, draft.tokens, draft.tree, past_len, max_pos)
+    tokens = tokens.to(device)
+    on_device = tree.on(device)
+    clock = StepClock(device)
+    clock.start()
+    logits = run.verify(tokens, on_device, past_len)
+    k = drafter.needs.top_k
+    if sampler is None:
+        predicted, top = greedy_and_top_k(logits, k, no_read=True)
+        probs = None
+    else:
+        whole = getattr(run, "logits", None)
+        top = top_k(logits, k).indices if k else None
+        processed = sampler.sampling.processed(logits if whole is None else whole)
+        positions = past_len + 1 + tree.depth  # on the host: the sampler's noise is looked up by position
+        predicted = sampler.choose(logits, positions, processed[:logits.shape[0]])
+        probs = draft_probabilities(processed, tokens, on_device.parents, every_row=whole is not None, read=False)
+    packed = accept_on_device(tokens, predicted, on_device)
+    peeked = drafter.peek(tokens)
+    clock.stop()
+    host_packed, token_list, predicted_list, top_flat, peeked_flat, draft_probs = read_to_host(
+        packed, tokens, predicted, top, peeked, probs)
+    forward_ms = clock.ms()
+    accepted = host_packed[0]
+    path_list = host_packed[1:accepted + 2]
+    path = packed[1:accepted + 2]
+    host = OnHost(token_list, path_list, None if top is None else _rows(top_flat, k),
+                  None if peeked is None else _rows(peeked_flat, peeked.shape[-1]))
+    rows = drafter.learn(Outcome(tokens, path, top, logits, forward_ms, whole=tree.size == draft.tree.size,
+                                 host=host))
+    run.keep(past_len, tree.size, path)
+    bonus = predicted_list[path_list[-1]]
+    new_tokens = [token_list[i] for i in path_list[1:]] + [bonus]
+    return Step(tokens, tree, predicted, path, bonus, new_tokens, rows, started, forward_ms, draft.budget,
+                draft.estimates, draft_probs or [], token_list, predicted_list, path_list)
+
+
+def _rows(flat: list, width: int) -> list[list]:
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
 def stop_rule(new: list[int], budget: int, eos_ids: set[int] | frozenset[int], length: int,
@@ -271,7 +384,7 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
         tree_sources=list(step.tree.sources),
         tree_text=text.pieces(tree_tokens) if text else [""] * len(tree_tokens),
         predicted=step.predicted_list or step.predicted.tolist(),
-        accepted_path=step.path.tolist(),
+        accepted_path=step.path_list or step.path.tolist(),
         bonus_token=step.bonus,
         new_tokens=new,
         new_text=new_text,
@@ -306,7 +419,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
     if backend is None:
         backend = NativeBackend(model, head) if device.type == "cpu" else make_backend(model, "torch")
     length = len(prompt_ids)
-    seq = torch.empty(length + max_new_tokens, dtype=torch.long, device=device)
+    seq = torch.empty(length + max_new_tokens, dtype=torch.long)  # on the host: drafting reads it for free
     seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
     state = backend.start(length, max_new_tokens)
     sampler = None if sampling is None or sampling.is_greedy else Sampler(sampling)

@@ -21,7 +21,7 @@ import torch
 
 from .budget import TreeBudget
 from .events import RowUpdate
-from .matrix import AdjacencyMatrix
+from .matrix import AdjacencyMatrix, winners
 from .tree import Path_, TreeBuffers, build_tree, chain_tree
 
 
@@ -47,6 +47,19 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class OnHost:
+    """What a step read to the host in its one read, on a backend whose tensors live on a device (the torch
+    backend): the verified ``tokens``, the accepted ``path``'s node indices, each node's ``top`` k best next tokens
+    (n lists; None for k = 0), and what the drafter asked to see (``peek``: its matrix rows of the tokens, before
+    learning rewrites them), so that learning reads nothing more."""
+
+    tokens: list[int]
+    path: list[int]
+    top: list[list[int]] | None
+    peeked: list | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What one verification showed, or (``path`` None) what the prompt's prefill predicted.
 
@@ -63,6 +76,7 @@ class Outcome:
     logits: torch.Tensor | None = None
     forward_ms: float | None = None
     whole: bool = True
+    host: OnHost | None = None  # the step's one read, where the loop made it (a device backend)
 
     @property
     def is_prompt(self) -> bool:
@@ -102,6 +116,11 @@ class PlainDrafter:
 
     def propose(self, context: torch.Tensor) -> Draft:
         return Draft(context[-1:].clone(), chain_tree(0))
+
+    def peek(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """What of the drafter's own device data ``learn`` will need, read with the step's one read (``OnHost``):
+        none here."""
+        return None
 
     def learn(self, outcome: Outcome) -> list[RowUpdate]:
         return []
@@ -150,7 +169,7 @@ class RecyclingDrafter(PlainDrafter):
         if tree.max_rank >= matrix.k:
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank}, "
                              f"more than the matrix's k={matrix.k} allows")
-        self.matrix, self.tree = matrix, tree.to(matrix.rows.device)
+        self.matrix, self.tree = matrix, tree  # the tree stays the host's; retrieval copies it once per device
         self.needs = Needs(top_k=matrix.k, prefill=seed_from_prompt)
 
     def propose(self, context: torch.Tensor) -> Draft:
@@ -164,13 +183,28 @@ class RecyclingDrafter(PlainDrafter):
             if self.needs.prefill:
                 self.matrix.seed(outcome.tokens, outcome.top, outcome.probs if keeps else None)
             return []
+        probs = outcome.probs if self.wants_probs else None
+        if outcome.host is not None:  # everything from the step's one read: the matrix is not read back
+            host = outcome.host
+            tokens, k = host.tokens, self.matrix.k
+            distinct = list(dict.fromkeys(tokens))  # in order of first occurrence
+            first = {t: i for i, t in reversed(list(enumerate(tokens)))}
+            old = ([list(host.peeked[first[t]]) for t in distinct] if host.peeked is not None
+                   else self.matrix.rows_of(distinct))
+            self.matrix.update(outcome.tokens, outcome.top, priority=host.path, probs=probs, token_list=tokens)
+            win = winners(tokens, host.path)
+            return [RowUpdate(t, o, host.top[win[t]][:k]) for t, o in zip(distinct, old)]
         tokens = outcome.tokens.tolist()
         distinct = list(dict.fromkeys(tokens))  # in order of first occurrence
         old = self.matrix.rows_of(distinct)
-        probs = outcome.probs if self.wants_probs else None
         self.matrix.update(outcome.tokens, outcome.top, priority=outcome.path, probs=probs, token_list=tokens)
         new = self.matrix.rows_of(distinct)
         return list(map(RowUpdate, distinct, old, new))
+
+    def peek(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The matrix rows of the step's tokens before ``learn`` rewrites them (the event's "before"), where the
+        matrix is on a device; on the host ``learn`` reads them itself, for free."""
+        return None if self.matrix.on_host() else self.matrix.rows[tokens.to(self.matrix.rows.device)]
 
     # whether the rows rewritten get their probabilities (the methods that read them; the matrix keeps them from the
     # first such write on); the others mark them unknown in a matrix that keeps them
@@ -214,7 +248,7 @@ class AdaptiveRecyclingDrafter(RecyclingDrafter):
         if tuple(nested.sizes) != budget.sizes:
             raise ValueError(f"the budget's sizes {budget.sizes} are not the trees' {nested.sizes}")
         super().__init__(matrix, nested.trees[-1], seed_from_prompt)
-        self.nested, self.budget = nested.to(matrix.rows.device), budget
+        self.nested, self.budget = nested, budget
         self._index = {n: i for i, n in enumerate(nested.sizes)}
         self._positions: tuple[int, ...] = ()
 
@@ -229,6 +263,7 @@ class AdaptiveRecyclingDrafter(RecyclingDrafter):
         context's end), teach the budget which of its nodes were accepted and how long the step took."""
         rows = super().learn(outcome)
         if not outcome.is_prompt and outcome.whole:
-            self.budget.observe_path([self._positions[i] for i in outcome.path.tolist()[1:]])
+            path = outcome.host.path if outcome.host is not None else outcome.path.tolist()
+            self.budget.observe_path([self._positions[i] for i in path[1:]])
             self.budget.observe_time(outcome.forward_ms)
         return rows

@@ -303,6 +303,9 @@ class Engine:
         if (matrix.vocab_size, matrix.k) != (self.vocab_size, self.config.top_k):
             raise ValueError(f"a matrix of {matrix.vocab_size} x {matrix.k} does not fit this engine's "
                              f"{self.vocab_size} x {self.config.top_k}")
+        if not matrix.is_on(self.model.device):  # drafting and learning must not cross devices
+            raise ValueError(f"the matrix is on {matrix.device}, the model on {self.model.device}: pass "
+                             f"matrix.to({str(self.model.device)!r}) (and keep that one: it is what the runs teach)")
         engine = copy.copy(self)
         engine.matrix = matrix
         return engine

@@ -58,12 +58,26 @@ class MatrixDelta:
         ([3], True, 0)
         """
         m = base.clone()
+        index = torch.from_numpy(self.index).to(m.rows.device)
         if self.probs is not None:
             m.with_probs()
-            m.probs.numpy()[self.index] = self.probs
-        m.rows.numpy()[self.index] = self.rows
+            m.probs[index] = torch.from_numpy(self.probs).to(m.probs.device)
+        m.rows[index] = torch.from_numpy(self.rows).to(m.rows.device)
         m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
         return m
+
+
+def winners(tokens: list[int], priority: list[int] | None = None) -> dict[int, int]:
+    """Each distinct token's node whose row ``update`` writes: its last occurrence, or its last occurrence among the
+    nodes of ``priority`` (the accepted path), which are written last. In order of first occurrence.
+
+    >>> winners([5, 6, 5, 6]), winners([5, 6, 5, 6], priority=[0, 1])
+    ({5: 2, 6: 3}, {5: 0, 6: 1})
+    """
+    winner = {t: i for i, t in enumerate(tokens)}
+    for i in priority or ():
+        winner[tokens[i]] = i
+    return winner
 
 
 class AdjacencyMatrix:
@@ -97,23 +111,43 @@ class AdjacencyMatrix:
         extra = 0 if self.probs is None else self.probs.numel() * self.probs.element_size()
         return self.rows.numel() * self.rows.element_size() + extra
 
-    def clone(self) -> "AdjacencyMatrix":
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def clone(self, device: torch.device | str | None = None) -> "AdjacencyMatrix":
+        """A copy, on ``device`` (None: this matrix's)."""
         m = AdjacencyMatrix.__new__(AdjacencyMatrix)
-        m.rows = self.rows.clone()
-        m.probs = None if self.probs is None else self.probs.clone()
+        m.rows = self.rows.to(device, copy=True)
+        m.probs = None if self.probs is None else self.probs.to(device, copy=True)
         m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
         return m
 
+    def to(self, device: torch.device | str) -> "AdjacencyMatrix":
+        """This matrix on ``device``: itself where it is there already, else a copy there (the model's device, so
+        that drafting and learning never cross devices).
+
+        >>> m = AdjacencyMatrix(4, k=2)
+        >>> m.to("cpu") is m, m.to("meta").device.type
+        (True, 'meta')
+        """
+        return self if self.is_on(device) else self.clone(device)
+
+    def is_on(self, device: torch.device | str) -> bool:
+        """Whether the matrix is on ``device`` ("cuda" meaning the current CUDA device)."""
+        target = torch.device(device)
+        return self.device.type == target.type and target.index in (None, self.device.index)
+
     def delta_from(self, base: "AdjacencyMatrix") -> MatrixDelta:
-        """The rows of this matrix (on the CPU) that differ from ``base``'s, ids or probabilities: with
-        ``delta.applied_to(base)`` they give this matrix back."""
-        a, b = self.rows.numpy(), base.rows.numpy()
+        """The rows of this matrix that differ from ``base``'s, ids or probabilities, on the CPU whatever device
+        either is on: with ``delta.applied_to(base)`` they give this matrix back."""
+        a, b = self.rows.cpu().numpy(), base.rows.cpu().numpy()
         changed = (a != b).any(axis=1)
         probs = None
         if self.probs is not None:
-            probs = self.probs.numpy()
+            probs = self.probs.cpu().numpy()
             if base.probs is not None:
-                theirs = base.probs.numpy()
+                theirs = base.probs.cpu().numpy()
             else:  # what base.with_probs() would hold: unknown where written, 0 elsewhere
                 theirs = np.where(b.any(axis=1, keepdims=True), np.float16("nan"), np.float16(0)).astype(np.float16)
             same = (probs == theirs) | (np.isnan(probs) & np.isnan(theirs))
@@ -158,13 +192,14 @@ class AdjacencyMatrix:
         """
         if tree.max_rank >= self.k:
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank} but the matrix keeps only k={self.k}")
-        if self.rows.device.type == "cpu":  # numpy's indexing of a few dozen ids costs ~1 us where torch's costs ~10
+        if self.on_host():  # numpy's indexing of a few dozen ids costs ~1 us where torch's costs ~10
             rows, parents, ranks = self.rows.numpy(), tree.parent_list, tree.rank_list
             found = np.empty(tree.size, dtype=np.int64)
             found[0] = root
             for start, stop in tree.levels:
                 found[start:stop] = rows[found[parents[start:stop]], ranks[start:stop]]
             return torch.from_numpy(found)
+        tree = tree.on(self.rows.device)
         tokens = torch.empty(tree.size, dtype=torch.long, device=self.rows.device)
         tokens[0] = root
         flat = self.rows.view(-1)
@@ -173,9 +208,14 @@ class AdjacencyMatrix:
             tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
         return tokens
 
+    def on_host(self) -> bool:
+        """Whether the matrix is in the host's memory (numpy reads it for free); elsewhere (a GPU) it is read and
+        written with tensor operations only, never read back but on purpose (``rows_of``)."""
+        return self.rows.device.type == "cpu"
+
     def rows_of(self, ids: list[int]) -> list[list[int]]:
-        """The rows of ``ids``, as Python lists."""
-        if self.rows.device.type == "cpu":
+        """The rows of ``ids``, as Python lists (on a GPU: a read that waits for the device)."""
+        if self.on_host():
             return self.rows.numpy()[ids].tolist()
         return self.rows[torch.tensor(ids, device=self.rows.device)].tolist()
 
@@ -190,7 +230,7 @@ class AdjacencyMatrix:
 
         ``probs`` (n, >= k), the probabilities of ``top``, are written beside the ids by the same rule, into a matrix
         that keeps probabilities; without them such a matrix marks the rewritten rows' probabilities unknown.
-        ``token_list``: ``tokens.tolist()``, where the caller has it already.
+        ``token_list``: ``tokens.tolist()``, where the caller has it already; ``priority`` may be a list too.
         """
         if top.shape[-1] < self.k:
             raise ValueError(f"the matrix keeps k={self.k} candidates per row, got {top.shape[-1]}")
@@ -206,16 +246,12 @@ class AdjacencyMatrix:
         else:
             new_probs = probs[:, :self.k].to(torch.float16)
             self._count(probs[:, :self.k])
-        # each token's winning node: its last occurrence, or its last occurrence on the accepted path
         toks = tokens.tolist() if token_list is None else token_list
-        winner = {t: i for i, t in enumerate(toks)}
-        if priority is not None:
-            for i in priority.tolist():
-                winner[toks[i]] = i
+        winner = winners(toks, priority.tolist() if isinstance(priority, torch.Tensor) else priority)
         ids, nodes = list(winner), list(winner.values())
         targets = [(self.rows, new_rows)] + ([] if new_probs is None else [(self.probs, new_probs)])
         for table, values in targets:  # distinct ids: one write each, in no particular order
-            if table.device.type == "cpu":
+            if self.on_host():
                 table.numpy()[ids] = values.numpy()[nodes]
             else:
                 table[torch.tensor(ids, device=table.device)] = values[torch.tensor(nodes, device=table.device)]

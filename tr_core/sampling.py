@@ -181,21 +181,23 @@ class Sampler:
 
 
 def draft_probabilities(processed: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                        every_row: bool = False) -> list[float]:
+                        every_row: bool = False, read: bool = True) -> list[float] | torch.Tensor:
     """Each tree node's probability under its parent's processed distribution (the root: 1.0), as plain floats.
     ``processed`` (n, V) per node (or more rows: padding); ``tokens``, ``parents`` (n,) in BFS order,
     ``parents[0] == -1``. ``every_row``: the totals are reduced over every row of ``processed`` (a fixed shape)
-    rather than over the parents' rows alone.
+    rather than over the parents' rows alone. ``read`` False: the probabilities (n,) as a tensor where
+    ``processed`` is, for the caller's own read.
 
     >>> z = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
     >>> [round(p, 3) for p in draft_probabilities(z, torch.tensor([2, 1]), torch.tensor([-1, 0]))]
     [1.0, 0.25]
     """
     if tokens.numel() == 1:
-        return [1.0]
+        return [1.0] if read else processed.new_ones(1, dtype=torch.float64)
     if every_row:
         log_total = torch.logsumexp(processed, dim=-1)[parents[1:].to(processed.device)]
     else:
         up, inverse = parents[1:].to(processed.device).unique(return_inverse=True)  # each parent's row once
         log_total = torch.logsumexp(processed[up], dim=-1)[inverse]
-    return [1.0] + (processed[parents[1:], tokens[1:].to(processed.device)] - log_total).exp().tolist()
+    probs = (processed[parents[1:], tokens[1:].to(processed.device)] - log_total).exp()
+    return [1.0] + probs.tolist() if read else torch.cat([probs.new_ones(1), probs])

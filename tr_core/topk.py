@@ -36,13 +36,15 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.return_types.topk((values, ids.gather(1, picked)))
 
 
-def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def greedy_and_top_k(logits: torch.Tensor, k: int, no_read: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The greedy choice of every row, exactly as ``argmax`` makes it, and the row's ``k`` best token ids (n, k),
     best first, from one ``topk`` (None for ``k`` = 0). A drafter that learns from every node's top-k so needs no
     second pass over the vocabulary for the greedy choice.
 
     ``argmax`` takes the lowest id among equal maxima, while ``topk`` promises no order among equal values, so rows
-    whose two best logits are equal take their greedy choice from ``argmax``.
+    whose two best logits are equal take their greedy choice from ``argmax``. ``no_read``: never look at the
+    values on the host (a device where a read waits for the device): every row's ``argmax`` is taken, and used where
+    its two best tie.
     """
     if k < 2:
         predicted = logits.argmax(dim=-1)
@@ -50,6 +52,8 @@ def greedy_and_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     values, top = top_k(logits, k)
     predicted = top[:, 0].clone()
     ties = values[:, 0] == values[:, 1]
+    if no_read:
+        return torch.where(ties, logits.argmax(dim=-1), predicted), top
     if bool(ties.any()):
         predicted[ties] = logits[ties].argmax(dim=-1)
     return predicted, top

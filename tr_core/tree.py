@@ -110,6 +110,25 @@ class TreeBuffers:
     def rank_list(self) -> list[int]:
         return self.ranks.tolist()
 
+    @cached_property
+    def _copies(self) -> dict[str, "TreeBuffers"]:
+        return {}
+
+    def on(self, device: torch.device | str) -> "TreeBuffers":
+        """This tree with its tensors on ``device``: itself where they are there, else a copy made once per device
+        and kept (a template's steps on a GPU then copy no tree). Its lists (``parent_list``, ...) stay the host's.
+
+        >>> tree = build_tree([(0,)])
+        >>> tree.on("cpu") is tree, tree.on("meta") is tree.on("meta"), tree.on("meta").parents.device.type
+        (True, True, 'meta')
+        """
+        device = torch.device(device)
+        if self.parents.device.type == device.type and device.index in (None, self.parents.device.index):
+            return self
+        if str(device) not in self._copies:
+            self._copies[str(device)] = self.to(device)
+        return self._copies[str(device)]
+
     def to(self, device: torch.device | str) -> "TreeBuffers":
         return TreeBuffers(
             self.name, self.node_paths, self.parents.to(device), self.ranks.to(device), self.depth.to(device),

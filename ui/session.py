@@ -145,9 +145,12 @@ class Session:
         """A working copy of the matrix a run on ``engine`` drafts from, and a line about it. With hot start, this
         session's matrix: the shared starting matrix (the shipped hot start) with what this session's runs taught
         it written over it; a run that teaches it hands it back with ``keep_matrix``. With ``prompt``, the line
-        counts the earlier runs on it. Without hot start, an empty matrix."""
+        counts the earlier runs on it. Without hot start, an empty matrix. The copy is on the engine's device (its
+        model's); the shared starting matrix and what the session keeps stay on the CPU."""
+        device = engine.model.device
         if not hot_start:
-            return starting_matrix(engine, False)
+            matrix, note = starting_matrix(engine, False)
+            return matrix.to(device), note
         base, origin = shared_start(engine, model_id)
         key = (model_id, engine.config.top_k)
         if self.matrix_key != key:
@@ -158,7 +161,7 @@ class Session:
         if prompt is not None:
             taught += f", {self.prompt_runs.get(prompt_digest(prompt), 0)} of them on this prompt"
         matrix = self.matrix_delta.applied_to(base) if self.matrix_delta is not None else base.clone()
-        return matrix, origin + (taught if self.runs_on_matrix else "")
+        return matrix.to(device), origin + (taught if self.runs_on_matrix else "")
 
     def keep_matrix(self, matrix: AdjacencyMatrix) -> None:
         """What a run taught: the session keeps the rows of ``matrix`` that differ from the starting matrix."""

@@ -173,14 +173,23 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         ``_matrix_nodes``, each node's matrix tree node (-1: a new, context node)."""
         matrix_tree = self.nested.trees[i]
         n = matrix_tree.size
-        drafted, parents = graft(tokens.tolist(), self._parents[i], chain) if chain else ([], [])
-        new = len(drafted) - n
+        if chain and not self.matrix.on_host():
+            # on a device the retrieved tokens are not read back to merge the branch with the matrix tree's nodes:
+            # the branch hangs whole under the root (a node it shares with the matrix tree is verified twice; its
+            # rows compute the same logits, so the step's tokens and what it teaches are those of the merge)
+            drafted, parents = None, self._parents[i] + [0] + list(range(n, n + len(chain) - 1))
+        else:
+            drafted, parents = graft(tokens.tolist(), self._parents[i], chain) if chain else ([], [])
+        new = len(parents) - n
         if new <= 0:  # no branch, or the matrix tree holds it whole
             self._matrix_nodes = list(range(n))
             return tokens, matrix_tree
         tree, order = tree_from_parents(parents, self._ranks[i] + [-1] * new, name="tr-context",
                                         sources=["root"] + ["matrix"] * (n - 1) + ["context"] * new)
         self._matrix_nodes = [j if j < n else -1 for j in order]
+        if drafted is None:
+            whole = torch.cat([tokens, torch.tensor(chain, dtype=torch.long).to(tokens.device)])
+            return whole[torch.tensor(order).to(tokens.device)], tree
         return torch.tensor([drafted[j] for j in order], dtype=torch.long, device=tokens.device), tree
 
     def learn(self, outcome: Outcome) -> list[RowUpdate]:
@@ -190,14 +199,17 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         rows = RecyclingDrafter.learn(self, outcome)
         if outcome.is_prompt or not outcome.whole:
             return rows  # the draft was cut (the context's or a window's end): nothing to learn about it
-        tokens, path, top = outcome.tokens, outcome.path, outcome.top
-        nodes = path.tolist()
+        tokens, path, top, host = outcome.tokens, outcome.path, outcome.top, outcome.host
+        nodes = host.path if host is not None else path.tolist()
         self._teach_matrix([m for m in (self._matrix_nodes[i] for i in nodes[1:]) if m >= 0])
         if self._chain:
             # the accepted tokens, then the likeliest next token: the bonus token of greedy decoding; in sampled
             # decoding it stands in for the sampled bonus (which the loop does not hand over). Learning only: the
             # output is the verifier's whatever the branch estimates say
-            produced = tokens[path[1:]].tolist() + [int(top[nodes[-1], 0])]
+            if host is not None:
+                produced = [host.tokens[i] for i in nodes[1:]] + [host.top[nodes[-1]][0]]
+            else:
+                produced = tokens[path[1:]].tolist() + [int(top[nodes[-1], 0])]
             agree = _agreement(self._chain, produced)
             known = max(self._drafted, len(nodes))  # drafted nodes, and those the produced tokens decide
             self.branch.observe(self._match, [j < agree for j in range(min(known, len(self._chain)))])

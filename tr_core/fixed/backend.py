@@ -65,6 +65,8 @@ def supports(model: PreTrainedModel) -> str | None:
 class FixedRun:
     """One decoding on the torch backend: static buffers for ``rows`` query rows and ``slots`` cached positions."""
 
+    resident = True  # its tensors live on the device: the decoding loop reads back once a step (decoding.py)
+
     def __init__(self, model: PreTrainedModel, head_weight: torch.Tensor, head_bias: torch.Tensor | None,
                  rows_: int, slots: int, capture: bool):
         self.model, self.device = model, model.device
