@@ -113,14 +113,10 @@ def paper_expected(model, nodes: int) -> float:
 def decode_all(engine, prompts, new_tokens: int) -> dict:
     from tr_core.decoding import run
     out = {}
-    for method in METHODS:
-        name, tree = ("tr", "paper") if method == "tr-paper" else (method, engine.config.tree)
-        eng = engine.with_config(tree=tree) if tree != engine.config.tree else engine
-        rows = []
-        for p in prompts:
-            result = run(eng.model, p["ids"], eng.drafter(name), new_tokens, backend=eng.backend)
-            rows.append(result)
-        out[method] = rows
+    for method in METHODS:  # each from the registry's settings (tr-paper: the paper's tree, ...), its own matrix
+        eng = engine.with_matrix(engine.fresh_matrix())
+        out[method] = [run(eng.model, p["ids"], eng.drafter(method), new_tokens, backend=eng.backend)
+                       for p in prompts]
     unpadded = engine.with_config(rows=1)  # plain decoding at one row a pass, unpadded: the baseline if faster
     out["plain-1row"] = [run(unpadded.model, p["ids"], unpadded.drafter("plain"), new_tokens,
                              backend=unpadded.backend) for p in prompts]

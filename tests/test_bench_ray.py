@@ -57,7 +57,7 @@ def single(setting, tmp_path_factory):
 @pytest.mark.slow
 def test_two_ray_workers_decode_as_one_process_does(setting, single, tmp_path, capsys):
     out = tmp_path / "ray"
-    assert main(setting + ["--ray", "--workers", "2", "--out", str(out)]) == 0
+    assert main(setting + ["--ray", "--workers", "2", "--shards", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     ray_run, one = outcome(out), outcome(single)
     assert len(one) == 6 and ray_run == one  # same shards, tokens, identical flags, tokens per pass, drafts
@@ -82,7 +82,7 @@ def test_a_worker_killed_mid_question_loses_no_question(setting, single, tmp_pat
     marker = tmp_path / "killed"
     monkeypatch.setenv(EXIT_ONCE, f"{marker}:2")  # question 2: the second of shard 0, after its first decoding
     out = tmp_path / "ray"
-    assert main(setting + ["--ray", "--workers", "2", "--out", str(out)]) == 0
+    assert main(setting + ["--ray", "--workers", "2", "--shards", "2", "--out", str(out)]) == 0
     assert marker.is_file()  # a worker did end its process in the middle of question 2
     assert outcome(out) == outcome(single)  # every question there once, decoded as without the kill
     assert len({(line["temperature_index"], line["question_id"]) for line in RunFolder(out).lines()}) == 6
@@ -162,7 +162,7 @@ def test_resume_of_a_folder_without_a_run_says_so(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_questions_from_two_kinds_of_machine_get_a_table_each(setting, single, tmp_path):
+def test_questions_from_two_kinds_of_machine_get_a_table_each(setting, single, tmp_path, monkeypatch):
     """A finished run resumed reports again from its folder; where its questions ran on two kinds of machine (shard 1
     relabelled here), every method gets a row per machine, and the overall speedup stays over all questions."""
     import shutil
@@ -176,6 +176,8 @@ def test_questions_from_two_kinds_of_machine_get_a_table_each(setting, single, t
             line["machine"] = "Another CPU"
         relabelled.append(json.dumps(line))
     (out / "questions.jsonl").write_text("\n".join(relabelled) + "\n")
+    from tr_core.tools import bench
+    monkeypatch.setattr(bench, "LocalPool", lambda *a, **k: pytest.fail("a finished run starts no worker"))
     assert main(["--resume", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     machines = results["config"]["machines"]
@@ -185,3 +187,13 @@ def test_questions_from_two_kinds_of_machine_get_a_table_each(setting, single, t
         assert sum(v["questions"] for v in m["by_machine"].values()) == 6
     assert "## overall, on Another CPU alone" in (out / "report.md").read_text()
     assert outcome(out) == outcome(single)  # resuming a finished run decodes nothing again
+
+
+def test_the_shards_follow_the_questions_alone_not_the_workers():
+    # issue 54, item 8: a run's results depend on its shards (each carries its own matrix), so without --shards
+    # they are fixed by the questions: a one-process run and a run on any number of workers deal them alike
+    from tr_core.tools.bench import SHARD_QUESTIONS, shard_count
+
+    assert "workers" not in shard_count.__code__.co_varnames
+    assert [shard_count(None, n) for n in (4, 12, SHARD_QUESTIONS, SHARD_QUESTIONS + 1, 480)] == [1, 1, 1, 2, 20]
+    assert shard_count(5, 12) == 5

@@ -72,3 +72,21 @@ def test_auto_tree_falls_back_for_a_model_without_acceptance_statistics(tiny_fol
     assert main(["--prompt", "Hi", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tree"] == "small" and out["hot_start"] is None
+
+
+def test_every_method_the_readme_lists_runs_from_the_command_line(tiny_folder, capsys):
+    # issue 54: the methods are named once (tr_core/methods.py); the README's table and the CLI read the same names
+    import re
+
+    from tr_core.methods import METHODS
+
+    table = (ROOT / "README.md").read_text().split("## Methods", 1)[1].split("\n\n", 2)[1]
+    listed = [name for cell in re.findall(r"^\| (`[^|]+`) \|", table, re.M) for name in re.findall(r"`([^`]+)`", cell)]
+    assert "tr-paper" in listed and set(listed) <= set(METHODS), listed
+    folder, _, _ = tiny_folder
+    outputs = {}
+    for method in listed:
+        assert main(["--method", method, "--prompt", "Name three colours.", "--model", str(folder),
+                     "--max-new-tokens", "8", "--tree", "small", "--json"]) == 0, method
+        outputs[method] = json.loads(capsys.readouterr().out)["token_ids"]
+    assert all(ids == outputs["plain"] for ids in outputs.values()), outputs

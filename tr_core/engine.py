@@ -40,6 +40,7 @@ from .drafters import (
 from .events import StepEvent
 from .fitting import FittedTree, auto_tree, has_acceptance_stats
 from .matrix import AdjacencyMatrix
+from .methods import METHODS as METHOD_SPECS
 from .methods import NAMES
 from .methods import check as check_method
 from .models import encode_prompt, eos_token_ids, load_model
@@ -323,7 +324,14 @@ class Engine:
         self._datastore = store
 
     def drafter(self, method: str | None = None) -> Drafter:
+        """The drafter of ``method`` (``methods.METHODS``; None: the config's) on this engine's matrix, tree and
+        budgets; a variant of another method's drafter (``tr-paper``, ``tr-cold``) on its own settings, from the
+        registry (``Method.settings``)."""
         method = check_method(method or self.config.method)
+        spec = METHOD_SPECS[method]
+        if spec.drafts != method:
+            variant = self.with_config(**spec.settings())
+            return (variant if spec.cold_start else variant.with_matrix(self.matrix)).drafter(spec.drafts)
         seed = self.config.seed_from_prompt
         if method == "plain":
             return PlainDrafter()

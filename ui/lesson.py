@@ -223,7 +223,6 @@ def _stopped(event, roles: list[str], text: TokenNamer) -> str:
 
 
 BEYOND = tuple(n for n, m in METHODS.items() if m.beyond_paper)
-BENCH_ONLY = {"tr-paper": "Token Recycling, the paper's 81-node tree", "tr-cold": "Token Recycling, cold start"}
 
 
 def shown_methods(run: dict) -> list[str]:
@@ -265,7 +264,7 @@ def beyond_facts(benchmark: dict) -> dict:
             m = run["methods"].get(name)
             cells.append(f"{_interval(m)}, {m['mean_accepted_tokens']:.2f}, {m.get('mean_draft_nodes', 0):.1f}"
                          if m else "")
-        label_ = METHODS[name].label if name in METHODS else BENCH_ONLY.get(name, name)
+        label_ = METHODS[name].label if name in METHODS else name
         rows.append(f"| {label_} (`{name}`) | " + " | ".join(cells) + " |")
     verdicts = []
     for run in runs:

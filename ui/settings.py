@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tr_core.assets import TREES_DIR
 from tr_core.engine import AUTO
-from tr_core.methods import METHODS, NAMES
+from tr_core.methods import APP_NAMES, METHODS
 from tr_core.sampling import Sampling
 from tr_core.speed.kernels import MODES
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
@@ -63,7 +63,7 @@ class Settings:
         return cls(clean_prompt(prompt), check_number(max_new_tokens, "Max new tokens", MAX_NEW_TOKENS),
                    check_choice(tree, "draft tree", trees), check_number(top_k, "k: candidates per row", TOP_K),
                    check_flag(hot_start, "Hot start"), check_model_id(model_id, allow_local_models),
-                   check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(NAMES)),
+                   check_choice(mode, "mode", list(MODES)), check_choice(method, "method", list(APP_NAMES)),
                    check_race_methods(DEFAULT_RACE if race_methods is None else race_methods),
                    check_sampling(temperature, top_p, sample_top_k, seed),
                    check_choice(race_matrix, "race matrix", list(RACE_MATRICES)))
@@ -80,7 +80,7 @@ def check_sampling(temperature, top_p, sample_top_k, seed) -> Sampling:
 # The race's methods beside plain decoding, by default: the baseline users know, the paper's method, and the best
 # extension beyond the paper as this project's benchmark measured it (README)
 DEFAULT_RACE = ("pld", "tr", "tr-context")
-RACE_CHOICES = tuple(n for n in NAMES if n != "plain")
+RACE_CHOICES = tuple(n for n in APP_NAMES if n != "plain")
 # What every matrix method of a race starts from: by default the same shipped hot start for each (so that a race
 # measures the method, not what this session's runs taught the matrix); optionally a copy of the session's matrix
 RACE_MATRICES = {"shipped": "the shipped hot start, the same for every method",
@@ -116,12 +116,12 @@ def tree_picker_note(method: str) -> str | None:
     return f"{m.label} drafts without the matrix's tree; the tree picked applies to Token Recycling only."
 
 
-def method_choices(names=NAMES) -> list[tuple[str, str]]:
+def method_choices(names=APP_NAMES) -> list[tuple[str, str]]:
     """``[(label, name), ...]`` for the method pickers; the methods beyond the paper say so."""
     return [(METHODS[n].label + (BEYOND if METHODS[n].beyond_paper else ""), n) for n in names]
 
 
-def methods_help(names=NAMES) -> str:
+def methods_help(names=APP_NAMES) -> str:
     """One line per method, in Markdown: its name, whether it goes beyond the paper, and what it adds."""
     return "\n".join(f"- **{label}**: {METHODS[n].about}" for label, n in method_choices(names))
 

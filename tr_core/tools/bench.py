@@ -63,7 +63,7 @@ from tqdm import tqdm
 from ..backend import add_device_arguments, device_name
 from ..decoding import DecodeResult
 from ..engine import Engine, EngineConfig
-from ..methods import METHODS
+from ..methods import METHODS, NAMES
 from ..models import encode_prompt
 from ..sampling import Sampling
 from ..spec_bench import Question, load_questions, stratified
@@ -87,8 +87,7 @@ from .run_folder import RunFolder, RunFolderError, plan_shards
 from .workers import LocalPool, Unit, drive
 
 UNPADDED = "plain-unpadded"  # the torch backend's plain decoding at one row a pass (a speed baseline, not a method)
-ALL_METHODS = ("plain", "pld", "suffix", "rest", "lookahead", "tr", "tr-paper", "tr-cold", "tr-context", "tr-dynamic",
-               "tr-plus")
+ALL_METHODS = NAMES  # every method of the registry
 DEFAULT_METHODS = ("plain", "pld", "tr", "tr-paper")
 DEFAULT_ROUNDS = 3  # the fewest rounds whose median ignores one round hit by a slow spell
 
@@ -147,35 +146,25 @@ def build_runners(base: Engine, methods: list[str], hot: Path | None,
 
 
 def _runners(base: Engine, methods: list[str], hot: Path | None) -> list[MethodRunner]:
+    """One runner a method, configured from the registry (``methods.METHODS``: the drafter, tree, seeding and hot
+    start each runs with) over the benchmark's own defaults: the matrix methods from the hot start ``hot``, on the
+    fitted tree, seeded from the prompt; the others on no tree."""
     matrix = str(hot) if hot else None
     runners = []
     for name in methods:
-        if name == "plain":
-            runners.append(MethodRunner(name, base.with_config(method="plain", tree="tiny"), "plain"))
-            if base.backend_name == "torch" and base.rows != 1:  # plain decoding unpadded: one row a pass
-                runners.append(MethodRunner(UNPADDED, base.with_config(method="plain", tree="tiny", rows=1),
-                                            "plain"))
-        elif name == "pld":
-            runners.append(MethodRunner(name, base.with_config(method="pld", tree="tiny"), "pld"))
-        elif name == "tr":
-            runners.append(MethodRunner(name, base.with_config(method="tr", tree="auto", matrix_path=matrix,
-                                                               seed_from_prompt=True), "tr"))
-        elif name == "tr-paper":
-            runners.append(MethodRunner(name, base.with_config(method="tr", tree="paper", matrix_path=matrix,
-                                                               seed_from_prompt=False), "tr"))
-        elif name == "tr-cold":
-            runners.append(MethodRunner(name, base.with_config(method="tr", tree="auto", seed_from_prompt=True),
-                                        "tr", reset_each_question=True))
-        elif name in ("suffix", "rest", "lookahead"):
-            runners.append(MethodRunner(name, base.with_config(method=name, tree="tiny"), name))
-        elif name in ("tr-context", "tr-dynamic", "tr-plus"):
-            runners.append(MethodRunner(name, base.with_config(method=name, tree="auto", matrix_path=matrix,
-                                                               seed_from_prompt=True), name))
-        elif _sized(name):
+        if _sized(name):
             runners.append(MethodRunner(name, base.with_config(method="tr", tree=f"auto-{name[3:]}",
                                                                matrix_path=matrix, seed_from_prompt=True), "tr"))
-        else:
+            continue
+        if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}, or tr-N")
+        spec = METHODS[name]
+        settings = ({"tree": "auto", "matrix_path": matrix, "seed_from_prompt": True} if spec.uses_matrix
+                    else {"tree": "tiny"})
+        runners.append(MethodRunner(name, base.with_config(**(settings | spec.settings())), spec.drafts,
+                                    reset_each_question=spec.cold_start))
+        if name == "plain" and base.backend_name == "torch" and base.rows != 1:  # plain unpadded: one row a pass
+            runners.append(MethodRunner(UNPADDED, base.with_config(method="plain", tree="tiny", rows=1), "plain"))
     return runners
 
 
@@ -269,7 +258,8 @@ def parser(prog: str = "python -m tr_core.tools.bench") -> argparse.ArgumentPars
     p.add_argument("--shards", type=int, default=None,
                    help="deal the questions into this many shards, stratified by category: a shard is decoded on one "
                         "worker, the hot-start matrix carried across its questions, each shard from the shipped hot "
-                        "start (default: one per worker, so 1 without --ray)")
+                        "start (default: one per 24 questions, whatever the workers, so that a run's results do "
+                        "not depend on how many decode it)")
     p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                    help="run the shards on Ray workers: a local Ray on this machine's cores (no ADDRESS), or the "
                         "running cluster at ADDRESS (e.g. ray://head:10001 or auto); every ratio is still measured "
@@ -532,12 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = [q.question_id for q in questions]
     by_category = [(q.question_id, q.category) for q in questions]
     if plan is None:
-        shards = args.shards or args.workers or 1
-        if args.ray is not None and not args.shards and not args.workers:
-            shards = 0  # as many as the workers: known once Ray is up
         plan = {"arguments": argv, "options": {k: v for k, v in vars(args).items() if k not in SESSION_OPTIONS},
                 "questions": ids, "temperatures": [None if s is None else s.temperature for s in samplings],
-                "shards": plan_shards(by_category, shards) if shards else None}
+                "shards": plan_shards(by_category, shard_count(args.shards, len(ids)))}
     elif plan["questions"] != ids:
         p.error(f"the questions of {args.questions or 'Spec-Bench'} are not the ones the run in {folder.path} "
                 "started with")
@@ -549,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         except RunFolderError as e:
             p.error(str(e))
         return write_report(folder.path, results, runners, args, "_so_far")
+    if args.resume and plan["shards"] is not None and finished(folder, plan):
+        print(f"every question of the run in {folder.path} is decoded already: its tables, written again")
+        try:
+            results, runners = assemble_results(folder, plan, args, samplings, questions)
+        except RunFolderError as e:
+            p.error(str(e))
+        return write_report(folder.path, results, runners, args, "")
     started = time.perf_counter()  # the session's wall time counts the workers' setup (Ray's start, model, t(N))
     options = {**plan["options"], "exit_once": os.environ.get(EXIT_ONCE)}
     payload = [asdict(q) for q in questions]
@@ -575,6 +569,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     finally:
         pool.close()
+
+
+SHARD_QUESTIONS = 24  # questions a shard holds where --shards is not given
+
+
+def shard_count(shards: int | None, questions: int) -> int:
+    """The shards a run's questions are dealt into: ``--shards``, else one per ``SHARD_QUESTIONS`` questions. Never
+    the number of workers: each shard carries its own matrix through its questions, so a run's results depend on its
+    shards, and they are fixed by the questions alone, whatever decodes them.
+
+    >>> shard_count(None, 12), shard_count(None, 480), shard_count(3, 12)
+    (1, 20, 3)
+    """
+    return shards or -(-questions // SHARD_QUESTIONS)
+
+
+def finished(folder: RunFolder, plan: dict) -> bool:
+    """Whether every shard of every temperature of the run in ``folder`` is decoded to its end."""
+    return all(folder.state(t, s)[0] == len(shard) for t in range(len(plan["temperatures"]))
+               for s, shard in enumerate(plan["shards"]))
 
 
 def _run(args, folder: RunFolder, plan: dict, pool, samplings, questions, load_before: float, started: float) -> int:
