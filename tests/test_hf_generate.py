@@ -136,3 +136,24 @@ def test_the_hub_ready_folder_runs_with_trust_remote_code(model_and_inputs):
                                method="tr-context")
     by_callable = model.generate(**inputs, custom_generate=token_recycling, max_new_tokens=NEW)
     assert torch.equal(by_folder, by_callable)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_other_families_through_generate_give_plain_decodings_tokens(arch):
+    # issue 55: any causal LM AutoModelForCausalLM loads (Llama above; Qwen2 and GPT-2 here, tiny and random)
+    from conftest import VOCAB, tiny_model
+
+    model = tiny_model(arch, dtype=torch.float32)
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.cat([ids, ids[:, :6]], dim=1)  # a repeat: drafts that get accepted
+    held = Recycler(model)
+    engine = held.engine("small")
+    for sampling in (None, Sampling(temperature=0.9, seed=4)):
+        reference = run(model, ids[0].tolist(), PlainDrafter(), 20, head=engine.head, sampling=sampling,
+                        backend=engine.backend).token_ids
+        extra = {} if sampling is None else {"do_sample": True, "temperature": 0.9, "top_k": 0, "seed": 4}
+        for method in ("tr", "pld"):
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=token_recycling,
+                                 max_new_tokens=20, recycler=held, tree="small", method=method, eos_token_id=None,
+                                 pad_token_id=0, **extra)
+            assert out[0, ids.shape[1]:].tolist() == reference, (arch, method, sampling)
