@@ -25,10 +25,10 @@ from ui.gpu import live_seconds, on_gpu, race_seconds  # noqa: E402  (first: Zer
 # isort: split
 import gradio as gr  # noqa: E402
 
+from tr_core.backend import MODES  # noqa: E402
 from tr_core.events import Rates  # noqa: E402
 from tr_core.models import ModelLoadError  # noqa: E402
 from tr_core.spec_bench import load_questions, stratified  # noqa: E402
-from tr_core.speed import MODES  # noqa: E402
 from ui.errors import as_user_error, user_errors  # noqa: E402
 from ui.explain import EXPLAIN_CSS  # noqa: E402
 from ui.explain import build_tab as explain_tab

@@ -8,7 +8,7 @@ from conftest import VOCAB, tiny_model
 from transformers import DynamicCache
 
 from tr_core import AdjacencyMatrix, RecyclingDrafter, StepEvent, build_tree, decode
-from tr_core.decoding import tree_mask
+from tr_core.speed.backend import tree_mask
 from tr_core.speed.kv import keep_accepted_path
 
 PROMPT = [11, 42, 7, 99, 3, 250, 18]

@@ -167,3 +167,53 @@ def test_app_py_is_wiring_no_function_over_forty_lines():
     long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(tree)
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 40]
     assert long == []
+
+
+# --- the seam, read from the source (issue 54): every import statement, at module level or inside a function ---------
+
+BELOW_ROOMS = ("tr_core.speed", "tr_core.fixed")  # the two backends' rooms
+KEEP_OUT_OF_ROOMS = [ROOT / "tr_core" / f"{m}.py" for m in ("decoding", "drafters", "matrix", "tree", "hf")] + sorted(
+    (ROOT / "ui").glob("*.py")) + [ROOT / "app.py"]  # the algorithm and the app ask the seam (tr_core.backend)
+ABOVE_ROOMS = ("tr_core.decoding", "tr_core.drafters", "tr_core.engine", "tr_core.methods", "tr_core.hf",
+               "tr_core.tools", "tr_core.beyond", "tr_core.rivals", "tr_core.fitting", "ui", "app")
+
+
+def imported_names(path) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved against its package), wherever the
+    statement stands."""
+    import ast
+
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[:len(package) - node.level + 1]) if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names |= {f"{module}.{a.name}" for a in node.names}  # `from . import layouts` names a module too
+    return names
+
+
+def under(name: str, roots) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in roots)
+
+
+def test_the_algorithm_and_the_app_import_nothing_from_a_backends_room():
+    crossing = [f"{p.relative_to(ROOT)} imports {n}" for p in KEEP_OUT_OF_ROOMS for n in sorted(imported_names(p))
+                if under(n, BELOW_ROOMS)]
+    assert not crossing, crossing
+
+
+def test_a_backends_room_imports_nothing_from_above_the_seam():
+    rooms = sorted((ROOT / "tr_core" / "speed").glob("*.py")) + sorted((ROOT / "tr_core" / "fixed").glob("*.py"))
+    upward = [f"{p.relative_to(ROOT)} imports {n}" for p in rooms for n in sorted(imported_names(p))
+              if under(n, ABOVE_ROOMS)]
+    assert not upward, upward
+
+
+def test_the_source_reader_sees_relative_imports_and_imports_inside_functions(tmp_path):
+    assert "tr_core.speed.backend.NativeBackend" in imported_names(ROOT / "tr_core" / "backend.py")  # in a function
+    assert "tr_core.tree.TreeBuffers" in imported_names(ROOT / "tr_core" / "fixed" / "backend.py")  # from ..tree

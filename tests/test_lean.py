@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from transformers import DynamicCache
 
-from tr_core.decoding import tree_mask
+from tr_core.speed.backend import tree_mask
 from tr_core.speed.kernels import body
 from tr_core.speed.kv import new_cache
 from tr_core.speed.lean import LeanLlama, supports
@@ -149,7 +149,7 @@ def test_a_plain_steps_rotary_row_is_the_modules_own_for_that_position_alone():
 def test_a_tree_step_given_only_which_rows_each_row_sees_equals_it_under_the_whole_mask(dtype):
     """Decoding gives the lean forward a tree's own (n, n) visibility (``decoding.tree_attention``) instead of a 4D mask
     over the whole cache, which grew with the context: the same bits either way, on either attention path."""
-    from tr_core.decoding import tree_attention
+    from tr_core.speed.backend import tree_attention
 
     model = tiny_model("llama", dtype=dtype)
     lean = LeanLlama(model)

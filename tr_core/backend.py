@@ -96,7 +96,6 @@ def device_name(device: torch.device) -> str:
     """The machine a device is, in words: the GPU's name, or the CPU's."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from .speed import cpu_name
     return cpu_name()
 
 
@@ -127,12 +126,71 @@ def torch_dtype(mode: str) -> torch.dtype:
     return torch.float32 if mode == "exact" else torch.bfloat16
 
 
-def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = None) -> Backend:
-    """The backend ``kind`` (``resolve_backend``) for ``model`` on its device. ``rows``: the torch backend's query
-    rows a pass (every pass of its runs has that many; None: ``fixed.default_rows``)."""
+def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = None, head=None) -> Backend:
+    """The backend ``kind`` (``resolve_backend``) for ``model`` on its device: the one place a backend is chosen.
+    ``rows``: the torch backend's query rows a pass (every pass of its runs has that many; None:
+    ``fixed.default_rows``); ``head``: the native backend's output layer, made once per model by a caller that
+    decodes many prompts (``speed.OutputHead``; None: made here). Each backend is imported where it is chosen: a
+    machine uses one."""
     name = resolve_backend(kind, model.device)
     if name == "native":
         from .speed.backend import NativeBackend
-        return NativeBackend(model)
+        return NativeBackend(model, head)
     from .fixed import TorchBackend
     return TorchBackend(model, rows)
+
+
+# --- what the app asks of this machine and of the kernels a model runs on --------------------------------------------
+# Through the seam, so that ``ui/`` and ``app.py`` import nothing from a backend's room. Each question is answered by
+# the native backend's room (``speed``), imported where asked: it loads this project's C kernels, which a run on a
+# GPU never needs.
+
+MODES = ("exact", "fast")  # exact: fp32, the reference; fast: the half-precision format measured fastest here
+
+
+def mode_note(mode: str, model: PreTrainedModel | None = None) -> str:
+    """What ``mode`` runs ``model`` in on this machine, in a sentence (the kernels' format, or why fp32 stayed)."""
+    from .speed import mode_dtype
+    return mode_dtype(mode, model)[1]
+
+
+def kernel_summary(model: PreTrainedModel) -> str:
+    """The kernels ``model`` runs on here, in a sentence."""
+    from .speed import kernel_summary as summary
+    return summary(model)
+
+
+def parameter_count(model: PreTrainedModel) -> int:
+    """The model's parameters, each counted once (a tied output layer once)."""
+    from .speed.kernels import parameter_count as count
+    return count(model)
+
+
+def machine_key(model: PreTrainedModel) -> str:
+    """A file name for this machine and model: what measurements are cached under."""
+    from .speed import machine_key as key
+    return key(model)
+
+
+def machine_profile(model: PreTrainedModel, context) -> dict:
+    """What the step-cost model of ``tr_core.projection`` needs of this machine and model."""
+    from .speed import machine_profile as profile
+    return profile(model, context)
+
+
+def cpu_name() -> str:
+    """This machine's CPU, by name."""
+    from .speed import cpu_name as name
+    return name()
+
+
+def runnable_threads() -> int | None:
+    """Threads ready to run on this machine now (the kernel's count), None where it cannot be read."""
+    from .speed.layouts import runnable_threads as runnable
+    return runnable()
+
+
+def machine_busy(samples: list[int]) -> bool:
+    """Whether other work competed for the cores while ``samples`` (``runnable_threads`` readings) were taken."""
+    from .speed.layouts import machine_busy as busy
+    return busy(samples)

