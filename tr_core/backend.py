@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from .modes import MODES, torch_dtype  # noqa: F401 (the seam offers them)
 from .tree import TreeBuffers
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -115,17 +116,6 @@ def resolve_backend(spec: str | None, device: torch.device) -> str:
     return spec
 
 
-def torch_dtype(mode: str) -> torch.dtype:
-    """The dtype the torch backend runs a mode in: fp32 (exact) or bf16 (fast), the same on every device.
-
-    >>> torch_dtype("fast")
-    torch.bfloat16
-    """
-    if mode not in ("exact", "fast"):
-        raise ValueError(f"unknown mode {mode!r}; choose exact or fast")
-    return torch.float32 if mode == "exact" else torch.bfloat16
-
-
 def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = None, head=None) -> Backend:
     """The backend ``kind`` (``resolve_backend``) for ``model`` on its device: the one place a backend is chosen.
     ``rows``: the torch backend's query rows a pass (every pass of its runs has that many; None:
@@ -144,8 +134,6 @@ def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = 
 # Through the seam, so that ``ui/`` and ``app.py`` import nothing from a backend's room. Each question is answered by
 # the native backend's room (``speed``), imported where asked: it loads this project's C kernels, which a run on a
 # GPU never needs.
-
-MODES = ("exact", "fast")  # exact: fp32, the reference; fast: the half-precision format measured fastest here
 
 
 def mode_note(mode: str, model: PreTrainedModel | None = None) -> str:

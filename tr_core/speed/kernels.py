@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from ..assets import acceptance_stats
-from ..backend import MODES  # the modes are the seam's: one definition
 from ..budget import expected_tokens
 from ..cachefiles import write_atomically
+from ..modes import MODES
 from . import layouts, pages
 from .layouts import HEAD, LAYOUTS, KernelPlan
 

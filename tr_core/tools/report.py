@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..methods import METHODS
 from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT
 from .results import Record
 
-if TYPE_CHECKING:
-    from .bench import MethodRunner
+
+class MethodRecords(Protocol):
+    """What the report reads of a method's runs (``bench.MethodRunner``, ``bench.RecordsOf``)."""
+
+    name: str
+    records: list[Record]
 
 
 def interval_text(s: dict) -> str:
@@ -160,7 +164,7 @@ def temperature_table(by_temperature: dict) -> str:
     return "\n".join(rows)
 
 
-def report(results: dict, runners: list[MethodRunner], args: argparse.Namespace) -> str:
+def report(results: dict, runners: list[MethodRecords], args: argparse.Namespace) -> str:
     """report.md: the speedup tables (overall, each category, each pair of methods), where the time went, the fitted
     trees' predictions against what was measured, accepted lengths and first differences from plain."""
     n = results["config"]["questions"]
