@@ -273,7 +273,7 @@ def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy(name):
     from tr_core.decoding import run
     from tr_core.drafters import PlainDrafter, RecyclingDrafter
     from tr_core.matrix import AdjacencyMatrix
-    from tr_core.speed.kernels import ChosenLinear, has_fp16_weights
+    from tr_core.speed.kernels import ChosenLinear
     from tr_core.tree import load_template
     model = tiny_model("llama", dtype=torch.float32)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
@@ -283,7 +283,7 @@ def test_the_fp16_format_rounds_only_the_weights_and_stays_greedy(name):
     prompt = [3, 17, 42, 8, 99, 5]
     count = sum(p.numel() for p in model.parameters())
     prepare_model(model, "fast", plan=plan)
-    assert plan.fmt == "fp16" and has_fp16_weights(model) and kernels.half_precision(model) == "fp16"
+    assert plan.fmt == "fp16" and kernels.plan_of(model).fmt == "fp16"  # the body's fp32 weights are gone
     layer = model.base_model.layers[0].mlp.up_proj
     assert isinstance(layer, ChosenLinear) and layer.weight is None  # the fp32 weight is not kept
     # but counted: the model details and the step-cost model's weights read a step (seen as 28M of 135M before)
@@ -312,7 +312,7 @@ def test_the_bf16_format_converts_the_model_and_computes_within_bf16_rounding():
         t = {(s, r, n): 1.0 if n == name else 2.0 for s in counts for r in (1, 4) for n in names}
         model = tiny_model("llama", dtype=torch.float32)
         prepare_model(model, "fast", plan=make_plan("fast", t, counts, names))
-        assert model.dtype == torch.bfloat16 and kernels.half_precision(model) == "bf16"
+        assert model.dtype == torch.bfloat16 and kernels.plan_of(model).fmt == "bf16"
         ids = torch.tensor([[1, 5, 9, 2]])
         hidden = model.base_model(input_ids=ids).last_hidden_state[0]
         want = reference(input_ids=ids).logits[0]
@@ -432,7 +432,7 @@ def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone
         return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
     monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
     plan = prepare_model(model, "fast")
-    assert plan.fmt == "fp16" and model.dtype == torch.float32 and kernels.half_precision(model) == "fp16"
+    assert plan.fmt == "fp16" and model.dtype == torch.float32 and kernels.plan_of(model).fmt == "fp16"
     copies, sizes, original = trials[0]
     assert copies == {"bf16": ("bf16", torch.bfloat16), "fp16": ("fp16", torch.float32),
                       "fp32": ("fp32", torch.float32)}

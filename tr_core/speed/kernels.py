@@ -488,18 +488,6 @@ def plan_of(model: nn.Module) -> KernelPlan | None:
     return _PLANS.get(model)
 
 
-def has_fp16_weights(model: nn.Module) -> bool:
-    """True where the model runs the fp16-weight format (its body's fp32 weights are gone)."""
-    plan = _PLANS.get(model)
-    return plan is not None and plan.fmt == "fp16"
-
-
-def half_precision(model: nn.Module) -> str | None:
-    """``"fp16"`` or ``"bf16"`` where the model runs a half-precision format, else None."""
-    plan = _PLANS.get(model)
-    return plan.fmt if plan is not None and plan.fmt != "fp32" else None
-
-
 class OutputHead:
     """The model's output layer, computed with the layout its plan chose for the number of rows (``prepare_model``;
     an unprepared model's with F.linear).

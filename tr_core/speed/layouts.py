@@ -28,7 +28,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -973,8 +973,3 @@ def _split_inside(timings: Timings) -> tuple[dict, dict]:
 def _shape_sizes(model: nn.Module) -> dict[str, tuple[int, int]]:
     """The model's linear shapes (``linear_shapes``' keys) as (out, in), the output layer's too."""
     return {s: (ls[0].out_features, ls[0].in_features) for s, ls in linear_shapes(model).items()}
-
-
-def plan_data(plan: KernelPlan) -> dict:
-    """The plan as JSON-ready data."""
-    return json.loads(json.dumps(asdict(plan)))
