@@ -157,3 +157,21 @@ def test_other_families_through_generate_give_plain_decodings_tokens(arch):
                                  max_new_tokens=20, recycler=held, tree="small", method=method, eos_token_id=None,
                                  pad_token_id=0, **extra)
             assert out[0, ids.shape[1]:].tolist() == reference, (arch, method, sampling)
+
+
+def test_on_the_torch_backend_the_models_own_generate_is_left_as_it_was():
+    # a GPU's path, here on the CPU: the torch backend makes its attention the model's during a call only (its
+    # fallback outside a run has no mask function: a padded batch in the model's own generate would attend wrongly),
+    # so the model's own generate gives the same tokens after Token Recycling ran on it as before
+    from conftest import VOCAB, tiny_model
+
+    model = tiny_model("llama", dtype=torch.float32)
+    own = model.config._attn_implementation
+    ids = torch.randint(3, VOCAB, (1, 14), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, pad_token_id=0, eos_token_id=None)
+    before = model.generate(ids, do_sample=False, **kwargs)
+    held = Recycler(model, backend="torch")
+    ours = model.generate(ids, custom_generate=token_recycling, recycler=held, tree="small", **kwargs)
+    assert held.engine("small").backend.name == "torch" and torch.equal(ours, before)
+    assert model.config._attn_implementation == own and held.attention == (own, "tr_fixed_rows")
+    assert torch.equal(model.generate(ids, do_sample=False, **kwargs), before)

@@ -57,16 +57,22 @@ class Recycler:
     model: PreTrainedModel
     matrix_k: int = 8
     matrix: AdjacencyMatrix | None = None
+    backend: str = "auto"  # the engine's backend: auto (native on a CPU, torch on a GPU), native or torch
     engines: dict = field(default_factory=dict, repr=False)
+    attention: tuple[str, str] | None = None  # the model's attention implementation: its own, and the engine's
 
     def engine(self, tree: str | None = None, mode: str = "exact") -> Engine:
         """The engine for ``tree`` (None: the engine's default, fitted to this machine) and ``mode``, built once;
         its matrix is this recycler's (the shipped hot start for the embedded model, else empty, at first)."""
         key = (tree, mode)
         if key not in self.engines:
-            config = EngineConfig(mode=mode, top_k=self.matrix_k, device=str(self.model.device),
+            config = EngineConfig(mode=mode, top_k=self.matrix_k, device=str(self.model.device), backend=self.backend,
                                   **({} if tree is None else {"tree": tree}))
+            own = self.model.config._attn_implementation
             base = Engine(self.model, SimpleNamespace(eos_token_id=None, chat_template=None), config)
+            # the torch backend registers its attention as the model's: the model gets its own back between calls
+            self.attention = (own, self.model.config._attn_implementation)
+            set_attention(self.model, own)
             if self.matrix is None:
                 hot = base.shipped_matrix_path()
                 self.matrix = (AdjacencyMatrix.load(hot, base.vocab_size, self.matrix_k, self.model.device) if hot
@@ -180,20 +186,35 @@ def token_recycling(model: PreTrainedModel, input_ids: torch.LongTensor, logits_
     new: list[int] = []
     if budget > 0:
         engine = held.engine(tree, mode)
-        for event in decode(model, prompt, engine.drafter(method), budget, eos_ids, None, engine.head, sampling,
-                            engine.backend):
-            step, done = _stop_within(event.new_tokens, prompt + new, stopping_criteria, input_ids.device)
-            new += step
-            if streamer is not None and step:
-                streamer.put(torch.tensor(step))
-            if done:
-                break
+        own, ours = held.attention
+        set_attention(model, ours)
+        try:
+            for event in decode(model, prompt, engine.drafter(method), budget, eos_ids, None, engine.head, sampling,
+                                engine.backend):
+                step, done = _stop_within(event.new_tokens, prompt + new, stopping_criteria, input_ids.device)
+                new += step
+                if streamer is not None and step:
+                    streamer.put(torch.tensor(step))
+                if done:
+                    break
+        finally:
+            set_attention(model, own)  # the model's own generate, after this call, runs as it did before
     if streamer is not None:
         streamer.end()
     sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
     if config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def set_attention(model: PreTrainedModel, name: str) -> None:
+    """Make ``model`` (and its sub-models' configs, a multimodal model's text part) attend with the implementation
+    transformers registered as ``name``."""
+    model.config._attn_implementation = name
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and config is not model.config and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
 
 
 def _stop_within(tokens: list[int], before: list[int], criteria, device: torch.device) -> tuple[list[int], bool]:
