@@ -499,9 +499,12 @@ def test_the_code_never_trusts_remote_code_nor_opens_a_share_link():
     files += [str(p.relative_to(ROOT)) for p in ROOT.glob("*/*.py")]  # new files not committed yet
     this = Path(__file__).relative_to(ROOT).as_posix()
     remote, share = "trust_remote" + "_code", re.compile(r"share\s*=\s*True")
+    # the one exception: the test that runs this project's own Hub-ready custom_generate folder (issue 55), which
+    # transformers runs only with that flag; the library, the app and the folder itself never pass it
+    own_folder = "tests/test_hf_generate.py"
     for name in sorted(set(files) - {this}):
         text = (ROOT / name).read_text(errors="replace")
-        assert remote not in text, f"{name} mentions {remote}"
+        assert remote not in text or name == own_folder, f"{name} mentions {remote}"
         assert not share.search(text), f"{name} opens a share link"
 
 

@@ -1,7 +1,8 @@
 """Token Recycling (arXiv 2408.08696), training-free speculative decoding, as a transformers ``custom_generate``:
 
-    model.generate(**inputs, custom_generate="<the folder that holds this one>", trust_remote_code=True,
-                   max_new_tokens=64, method="tr")
+    model.generate(**inputs, custom_generate="<the folder that holds this one>", max_new_tokens=64, method="tr")
+
+(with the flag transformers asks for before it runs a folder's code: see the folder's README.md)
 
 It runs ``tr_core.hf.token_recycling`` (its docstring: what it keeps exact and what it refuses), so the project's
 ``tr_core`` package must be importable: its repository on the Python path."""
