@@ -24,18 +24,7 @@ from ..drafters import PlainDrafter
 from ..hf import recycler_of, token_recycling
 from ..models import encode_prompt, load_model
 from ..spec_bench import load_questions, stratified
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (a length counts), None where they are equal.
-
-    >>> first_difference([1, 2, 3], [1, 2, 4]), first_difference([1, 2], [1, 2, 5]), first_difference([1], [1])
-    (2, 2, None)
-    """
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from ..stats import first_difference
 
 
 @torch.no_grad()
