@@ -175,3 +175,17 @@ def test_on_the_torch_backend_the_models_own_generate_is_left_as_it_was():
     assert held.engine("small").backend.name == "torch" and torch.equal(ours, before)
     assert model.config._attn_implementation == own and held.attention == (own, "tr_fixed_rows")
     assert torch.equal(model.generate(ids, do_sample=False, **kwargs), before)
+
+
+def test_a_warper_the_caller_passes_is_read_from_the_warper(model_and_inputs):
+    from transformers import LogitsProcessorList, TopKLogitsWarper
+
+    model, _, inputs = model_and_inputs
+    prompt = inputs["input_ids"][0].tolist()
+    sampled = plain(model, prompt, 16, Sampling(temperature=1.0, sample_top_k=10, seed=5))
+    got = model.generate(**inputs, custom_generate=token_recycling, max_new_tokens=16, do_sample=True, seed=5,
+                         top_k=None, logits_processor=LogitsProcessorList([TopKLogitsWarper(10)]))
+    assert got[0, len(prompt):].tolist() == sampled
+    with pytest.raises(ValueError, match="TopKLogitsWarper exactly .* a second time"):
+        model.generate(**inputs, custom_generate=token_recycling, max_new_tokens=4, do_sample=True, top_k=20,
+                       logits_processor=LogitsProcessorList([TopKLogitsWarper(10)]))

@@ -370,3 +370,18 @@ def test_on_cuda_a_step_is_timed_by_events_on_the_stream_not_by_waiting(monkeypa
     cpu.start()
     cpu.stop()
     assert 0 <= cpu.ms() < 1000
+
+
+def test_a_one_row_run_reads_its_prompt_wide_and_decodes_on_that_cache():
+    # the unpadded baseline (1 row a pass) reads the prompt 64 tokens a pass on a run of its own, then copies the
+    # cache: its steps then see the prompt as a padded run's do (close numbers: other shapes), at a few passes' cost
+    model = tiny_model("llama", dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        one = TorchBackend(model, 1).start(91, 4)
+        one.prefill(ids[:-1])
+        padded = TorchBackend(model, 8).start(91, 4)
+        padded.prefill(ids[:-1])
+        a = one.verify(ids[-1:], chain_tree(0), 89)[0]
+        b = padded.verify(ids[-1:], chain_tree(0), 89)[0]
+    assert one.passes == 1 and torch.allclose(a, b, atol=1e-4), (one.passes, (a - b).abs().max())

@@ -315,7 +315,8 @@ def resident_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: in
         predicted = sampler.choose(logits, positions, processed[:logits.shape[0]])
         probs = draft_probabilities(processed, tokens, on_device.parents, every_row=whole is not None, read=False)
     packed = accept_on_device(tokens, predicted, on_device)
-    peeked = drafter.peek(tokens)
+    peek = getattr(drafter, "peek", None)  # (a drafter written to the Protocol before peek: nothing to peek at)
+    peeked = peek(tokens) if peek is not None else None
     clock.stop()
     host_packed, token_list, predicted_list, top_flat, peeked_flat, draft_probs = read_to_host(
         packed, tokens, predicted, top, peeked, probs)

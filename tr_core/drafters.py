@@ -96,6 +96,8 @@ class Drafter(Protocol):
 
     - ``propose(context)``: ``context`` (L,) int64, the sequence so far, its last token not yet in the KV cache ->
       a ``Draft``;
+    - ``peek(tokens)``: on a device backend, what of its own device data ``learn`` will need (read with the step's
+      one read into ``Outcome.host``), or None;
     - ``learn(outcome)``: the ``Outcome`` of the draft just proposed (once per step), or of the prompt (once, before
       the first step, where ``needs.prefill``) -> the adjacency-matrix rows it rewrote (empty: none).
     """
@@ -104,6 +106,8 @@ class Drafter(Protocol):
     needs: Needs
 
     def propose(self, context: torch.Tensor) -> Draft: ...
+
+    def peek(self, tokens: torch.Tensor) -> torch.Tensor | None: ...
 
     def learn(self, outcome: Outcome) -> list[RowUpdate]: ...
 

@@ -162,6 +162,7 @@ class Engine:
         self.backend = self._make_backend()
         self.learners = Learners()
         self.matrix = self.fresh_matrix()
+        self._variants: dict[str, Engine] = {}  # the registry's variants of a method (drafter), made on first use
 
     def _torch_curve(self) -> dict[int, float] | None:
         """The torch backend's t(N), measured on its device (``fixed.timing.rows_curve``); None on the native one,
@@ -295,6 +296,7 @@ class Engine:
         same = replace(config, method=self.config.method) == self.config  # budgets are kept per method already
         engine.learners = self.learners if same else Learners()
         engine.matrix = engine.fresh_matrix()
+        engine._variants = {}
         return engine
 
     def with_matrix(self, matrix: AdjacencyMatrix) -> "Engine":
@@ -329,9 +331,12 @@ class Engine:
         registry (``Method.settings``)."""
         method = check_method(method or self.config.method)
         spec = METHOD_SPECS[method]
-        if spec.drafts != method:
-            variant = self.with_config(**spec.settings())
-            return (variant if spec.cold_start else variant.with_matrix(self.matrix)).drafter(spec.drafts)
+        if spec.drafts != method:  # made once per engine, so that its tree budget learns across its runs
+            if method not in self._variants:
+                self._variants[method] = self.with_config(**spec.settings())
+            variant = self._variants[method]
+            return (variant.with_matrix(variant.fresh_matrix()) if spec.cold_start
+                    else variant.with_matrix(self.matrix)).drafter(spec.drafts)
         seed = self.config.seed_from_prompt
         if method == "plain":
             return PlainDrafter()

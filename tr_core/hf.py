@@ -132,21 +132,25 @@ def _refuse(input_ids: torch.Tensor, config: GenerationConfig, synced_gpus: bool
 
 
 def sampling_of(config: GenerationConfig, processors, seed: int | None) -> Sampling | None:
-    """This project's ``Sampling`` for what ``generate`` prepared: None (greedy) without ``do_sample``; the
-    temperature, top-k and top-p warpers become its filters, checked against the config; any other processor is
-    refused, by name."""
+    """This project's ``Sampling`` for what ``generate`` prepared: None (greedy) without ``do_sample``; else the
+    temperature, top-k and top-p of the warpers in ``processors`` (the config's, and any the caller passed: read
+    from the warpers themselves, one of each at most), in this project's order (temperature, then top-k, then
+    top-p, as transformers applies them). Any other processor, or a second warper of a kind, is refused, by name."""
     kept = {TemperatureLogitsWarper: "temperature", TopKLogitsWarper: "top_k", TopPLogitsWarper: "top_p"}
+    found = {}
     for p in processors or ():
-        if type(p) not in kept or not config.do_sample:
+        field_ = kept.get(type(p))
+        if field_ is None or not config.do_sample or field_ in found:
             raise ValueError(f"Token Recycling's generate cannot apply the logits processor {type(p).__name__} "
-                             "exactly (to every draft node); call generate without custom_generate for it")
+                             "exactly (to every draft node)" + (" a second time" if field_ in found else "")
+                             + "; call generate without custom_generate for it")
+        found[field_] = getattr(p, field_)
     if not config.do_sample:
         return None
     if seed is None:
         seed = int(torch.randint(0, 2 ** 62, (1,)))  # from torch's global generator: manual_seed repeats it
-    return Sampling(temperature=float(config.temperature if config.temperature is not None else 1.0),
-                    top_p=float(config.top_p if config.top_p is not None else 1.0),
-                    sample_top_k=int(config.top_k or 0), seed=seed)
+    return Sampling(temperature=float(found.get("temperature", 1.0)), top_p=float(found.get("top_p", 1.0)),
+                    sample_top_k=int(found.get("top_k", 0)), seed=seed)
 
 
 def _streamer_of_generate():
@@ -183,10 +187,13 @@ def token_recycling(model: PreTrainedModel, input_ids: torch.LongTensor, logits_
     eos = config.eos_token_id
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     held = recycler or recycler_of(model, matrix_k)
+    if held.model is not model:
+        raise ValueError("this recycler was made for another model: make one for this model (Recycler(model))")
     new: list[int] = []
     if budget > 0:
+        own = model.config._attn_implementation
         engine = held.engine(tree, mode)
-        own, ours = held.attention
+        ours = held.attention[1]
         set_attention(model, ours)
         try:
             for event in decode(model, prompt, engine.drafter(method), budget, eos_ids, None, engine.head, sampling,

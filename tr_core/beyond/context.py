@@ -139,6 +139,7 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         self._matrix_nodes: list[int] = []  # per node of the tree proposed: its matrix tree node, or -1
         self._chain: list[int] = []  # the match's continuation (up to max_branch tokens); the first _drafted drafted
         self._drafted = self._match = 0
+        self._unmerged: tuple[int, list[int], list[int]] | None = None  # the last step's graft, where unmerged
         self._step_ms: list[float] = []  # the budget's estimated step time at each size, this step
 
     def propose(self, context: torch.Tensor) -> Draft:
@@ -173,10 +174,12 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
         ``_matrix_nodes``, each node's matrix tree node (-1: a new, context node)."""
         matrix_tree = self.nested.trees[i]
         n = matrix_tree.size
+        self._unmerged = None
         if chain and not self.matrix.on_host():
             # on a device the retrieved tokens are not read back to merge the branch with the matrix tree's nodes:
-            # the branch hangs whole under the root (a node it shares with the matrix tree is verified twice; its
-            # rows compute the same logits, so the step's tokens and what it teaches are those of the merge)
+            # the branch hangs whole under the root (a node it shares with the matrix tree is verified twice, at the
+            # same logits: the step's tokens and the rows it rewrites are those of the merge); ``learn`` finds the
+            # twins from the step's read and teaches the budget as the merge would
             drafted, parents = None, self._parents[i] + [0] + list(range(n, n + len(chain) - 1))
         else:
             drafted, parents = graft(tokens.tolist(), self._parents[i], chain) if chain else ([], [])
@@ -188,6 +191,7 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
                                         sources=["root"] + ["matrix"] * (n - 1) + ["context"] * new)
         self._matrix_nodes = [j if j < n else -1 for j in order]
         if drafted is None:
+            self._unmerged = (i, list(chain), order)
             whole = torch.cat([tokens, torch.tensor(chain, dtype=torch.long).to(tokens.device)])
             return whole[torch.tensor(order).to(tokens.device)], tree
         return torch.tensor([drafted[j] for j in order], dtype=torch.long, device=tokens.device), tree
@@ -201,6 +205,9 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
             return rows  # the draft was cut (the context's or a window's end): nothing to learn about it
         tokens, path, top, host = outcome.tokens, outcome.path, outcome.top, outcome.host
         nodes = host.path if host is not None else path.tolist()
+        size = self.tree.size
+        if self._unmerged is not None and host is not None:
+            size -= self._merge_twins(host.tokens)
         self._teach_matrix([m for m in (self._matrix_nodes[i] for i in nodes[1:]) if m >= 0])
         if self._chain:
             # the accepted tokens, then the likeliest next token: the bonus token of greedy decoding; in sampled
@@ -213,8 +220,27 @@ class ContextRecyclingDrafter(AdaptiveRecyclingDrafter):
             agree = _agreement(self._chain, produced)
             known = max(self._drafted, len(nodes))  # drafted nodes, and those the produced tokens decide
             self.branch.observe(self._match, [j < agree for j in range(min(known, len(self._chain)))])
-        self.budget.observe_scaled_time(outcome.forward_ms, self.tree.size, self._step_ms)
+        self.budget.observe_scaled_time(outcome.forward_ms, size, self._step_ms)
         return rows
+
+    def _merge_twins(self, tokens: list[int]) -> int:
+        """After an unmerged graft (``_graft`` on a device), with the step's tokens read: each branch node that the
+        merge would have found in the matrix tree (the same tokens from the root) counts as that matrix node, as
+        in a merged step; returns how many there were (the nodes the merge would have saved)."""
+        i, chain, order = self._unmerged
+        place = {old: new for new, old in enumerate(order)}  # input index (matrix nodes, then the branch) -> node
+        parents, n = self._parents[i], self.nested.trees[i].size
+        first: dict[tuple[int, int], int] = {}
+        for m in range(n - 1, 0, -1):  # backwards: the first child with a token wins, as in graft
+            first[parents[m], tokens[place[m]]] = m
+        node, twins = 0, 0
+        for k, t in enumerate(chain):
+            node = first.get((node, t))
+            if node is None:
+                break
+            self._matrix_nodes[place[n + k]] = node
+            twins += 1
+        return twins
 
     def _teach_matrix(self, accepted: list[int]) -> None:
         """The budget learns the accepted matrix nodes (indices into the matrix tree), by likeliest-first place."""

@@ -206,10 +206,11 @@ class DynamicRecyclingDrafter(RecyclingDrafter):
         (scaled to its best size by its estimated curve)."""
         rows = super().learn(outcome)
         if self.budget is not None and not outcome.is_prompt and outcome.whole:
-            path, budget = outcome.path, self.budget
-            self.calibration.observe(self._predicted, path.numel() - 1)
+            path = outcome.host.path if outcome.host is not None else outcome.path.tolist()
+            budget = self.budget
+            self.calibration.observe(self._predicted, len(path) - 1)
             budget.running(budget.best)
             if self.tree.size == budget.sizes[budget.best]:  # the budget's own size ran (a best-first prefix): places
-                budget.observe_path([self._positions[i] for i in path.tolist()[1:]])
+                budget.observe_path([self._positions[i] for i in path[1:]])
             budget.observe_scaled_time(outcome.forward_ms, self.tree.size)
         return rows

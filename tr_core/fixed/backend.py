@@ -26,6 +26,7 @@ TILE = 8  # a run's rows are a multiple of this
 DEFAULT_ROWS = {"cuda": 128, "cpu": 16}  # rows a pass where the caller does not say: the paper's 80-node tree and
 #                                          more on a GPU; on a CPU, where a pass's cost grows with its rows, fewer
 SLOT_TILE = 64  # key slots are a multiple of this
+WIDE_PREFILL = 64  # the tokens a pass a one-row run reads its prompt in
 
 
 def round_up(n: int, tile: int) -> int:
@@ -117,7 +118,14 @@ class FixedRun:
         return self._captured.replay()
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """The prompt in chains of at most ``rows`` tokens that never cross an attention window's end."""
+        """The prompt in chains of at most ``rows`` tokens that never cross an attention window's end. A one-row run
+        (plain decoding unpadded, a speed baseline) reads it ``WIDE_PREFILL`` tokens a pass on a run of its own, whose
+        cache it then copies: one token a pass would bill the baseline for hundreds of passes."""
+        if self.max_nodes == 1 and ids.numel() > 1:
+            wide = FixedRun(self.model, self.weight, self.bias, WIDE_PREFILL, self.slots, self._capture)
+            hidden = wide.prefill(ids)
+            self.state.kv[:, :, :, :self.slots] = wide.state.kv[:, :, :, :self.slots]
+            return hidden
         out, past = [], 0
         while past < ids.numel():
             n = min(self.max_nodes, rows.window_room(past) + 1, ids.numel() - past)
