@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -229,7 +230,7 @@ KNOWN_KNOTS = [
 ]
 
 
-def import_circles(modules: dict[str, "Path"]) -> list[set[str]]:  # noqa: F821
+def import_circles(modules: dict[str, Path]) -> list[set[str]]:
     """The strongly connected sets of more than one module in the graph of every import statement (a module's import
     of its own package left out)."""
     graph = {m: {n for n in imported_names(p) if n in modules and n != m and not m.startswith(n + ".")}

@@ -164,27 +164,28 @@ class Step:
 
 
 def choose(logits: torch.Tensor, k: int, sampler: Sampler | None, positions: torch.Tensor, tokens: torch.Tensor,
-           tree: TreeBuffers, whole: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                         list[float]]:
+           tree: TreeBuffers, whole: torch.Tensor | None = None,
+           no_read: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[float] | torch.Tensor]:
     """The model's choice after every node (n,), each node's ``k`` best next tokens by the raw logits (n, k) for the
     drafter (None for ``k`` = 0), and, in a sampled step, each node's probability at its parent (else []).
     ``logits`` (n, V); ``positions`` (n,): the absolute position of the token chosen after each node. Without a
     ``sampler`` the choice is greedy, exactly ``greedy_and_top_k``'s. ``whole``: the pass's logits at its fixed
     shape (R, V), of which ``logits`` are the first n rows (the torch backend): a sampled step's reductions
-    (softmax totals, top-p sums) then run over all R rows, so how a device splits them never depends on n."""
+    (softmax totals, top-p sums) then run over all R rows, so how a device splits them never depends on n.
+    ``no_read``: nothing is read to the host here (``positions`` must be the host's); a sampled step's draft
+    probabilities come back as a tensor, for the step's one read."""
     if sampler is None:
-        return *greedy_and_top_k(logits, k), []
+        return *greedy_and_top_k(logits, k, no_read), []
     top = top_k(logits, k).indices if k else None
     processed = sampler.sampling.processed(logits if whole is None else whole)
-    probs = draft_probabilities(processed, tokens, tree.parents, every_row=whole is not None)
+    probs = draft_probabilities(processed, tokens, tree.parents, every_row=whole is not None, read=not no_read)
     return sampler.choose(logits, positions, processed[:logits.shape[0]]), top, probs
 
 
 def read_to_host(*tensors: torch.Tensor | None) -> list[list]:
     """The one deliberate read from the device a step makes (the torch backend): ``tensors`` flattened into one
     copy, then split back into Python lists (None stays None). Integers come back as ints; where a float tensor is
-    among them the copy is float64, which holds every token id exactly, and the integers are turned back. Counted in
-    ``HOST_READS``.
+    among them the copy is float64, which holds every token id exactly, and the integers are turned back.
 
     >>> read_to_host(torch.tensor([3, 4]), None, torch.tensor([[0.5, 1.0]]))
     [[3, 4], None, [0.5, 1.0]]
@@ -192,7 +193,6 @@ def read_to_host(*tensors: torch.Tensor | None) -> list[list]:
     present = [t.flatten() for t in tensors if t is not None]
     floats = any(t.is_floating_point() for t in present)
     flat = torch.cat([t.double() if floats else t.long() for t in present]).tolist() if present else []
-    HOST_READS["reads"] += 1
     out, at = [], 0
     for t in tensors:
         if t is None:
@@ -202,9 +202,6 @@ def read_to_host(*tensors: torch.Tensor | None) -> list[list]:
         at += t.numel()
         out.append(part if t.is_floating_point() or not floats else [int(v) for v in part])
     return out
-
-
-HOST_READS = {"reads": 0}  # read_to_host's calls in this process (the device check prints them a step)
 
 
 class StepClock:
@@ -304,16 +301,10 @@ def resident_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: in
     clock.start()
     logits = run.verify(tokens, on_device, past_len)
     k = drafter.needs.top_k
-    if sampler is None:
-        predicted, top = greedy_and_top_k(logits, k, no_read=True)
-        probs = None
-    else:
-        whole = getattr(run, "logits", None)
-        top = top_k(logits, k).indices if k else None
-        processed = sampler.sampling.processed(logits if whole is None else whole)
-        positions = past_len + 1 + tree.depth  # on the host: the sampler's noise is looked up by position
-        predicted = sampler.choose(logits, positions, processed[:logits.shape[0]])
-        probs = draft_probabilities(processed, tokens, on_device.parents, every_row=whole is not None, read=False)
+    positions = past_len + 1 + tree.depth  # on the host: the sampler's noise is looked up by position
+    predicted, top, probs = choose(logits, k, sampler, positions, tokens, on_device, getattr(run, "logits", None),
+                                   no_read=True)
+    probs = probs if isinstance(probs, torch.Tensor) else None
     packed = accept_on_device(tokens, predicted, on_device)
     peek = getattr(drafter, "peek", None)  # (a drafter written to the Protocol before peek: nothing to peek at)
     peeked = peek(tokens) if peek is not None else None
