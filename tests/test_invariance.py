@@ -12,9 +12,10 @@ import torch
 
 from tr_core.decoding import decode, run
 from tr_core.drafters import PlainDrafter, PromptLookupDrafter
-from tr_core.speed import attention, invariance, kernels
+from tr_core.speed import attention, chooser, invariance, kernels
+from tr_core.speed.chooser import choose_plan, prepare_model
 from tr_core.speed.invariance import CHUNKS, DEPTH, PASTS, TREE_SIZES, all_equal, differences, position_logits
-from tr_core.speed.kernels import OutputHead, choose_plan, prepare_model
+from tr_core.speed.kernels import OutputHead
 from tr_core.speed.layouts import (
     LAYOUTS,
     Layout,
@@ -69,14 +70,14 @@ def test_a_position_has_the_same_logits_alone_in_trees_and_in_prefills(embedded,
 
 @pytest.mark.parametrize("fmt", _fast_formats())
 def test_each_format_the_fast_mode_may_pick_here_is_row_invariant_or_never_offered(embedded, ids, fmt):
-    # the chooser's check (kernels.invariant_plans) and this test ask one function, invariance.check, of the plan the
+    # the chooser's check (chooser.invariant_plans) and this test ask one function, invariance.check, of the plan the
     # chooser would run for the format (layouts.format_plans): a format whose whole model fails it here is one the
     # fast mode never runs here, and says so
     from tr_core.speed import layouts, lean
 
     model = copy.deepcopy(embedded[0])
     lean.fuse(model)
-    gain = kernels.tree_gain(embedded[0])
+    gain = chooser.tree_gain(embedded[0])
     plans = layouts.format_plans(model, "fast", gain=gain)
     chosen = choose_plan(copy.deepcopy(model), "fast", gain=gain)
     if fmt not in plans:

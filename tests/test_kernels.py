@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import reference_greedy, tiny_model
 
-from tr_core.speed import kernels, layouts
-from tr_core.speed.kernels import OutputHead, fp16_weights_available, mode_dtype, prepare_model
+from tr_core.speed import chooser, kernels, layouts, stepbench
+from tr_core.speed.chooser import prepare_model
+from tr_core.speed.kernels import OutputHead, fp16_weights_available, mode_dtype
 from tr_core.speed.layouts import LAYOUTS, available_layouts, choose_format, choose_layouts, linear_shapes, make_plan
 
 # where this torch build has no fbgemm (not x86 or without AVX2), the fast mode has no fp16-weight linear to test
@@ -325,7 +326,7 @@ def test_cpu_models_attend_with_grouped_query_heads_under_a_tree_mask():
 
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
-    from tr_core.speed.kernels import GQA_SWITCH, prepare_model
+    from tr_core.speed.kernels import GQA_SWITCH
     model = tiny_model("llama", dtype=torch.float32)
     prepare_model(model, "exact")
     assert os.environ.get(GQA_SWITCH) == "1"
@@ -368,7 +369,7 @@ def test_a_prepared_model_keeps_no_weight_in_the_mapped_file(tiny_folder):
     assert mapped, "the control: the loaded weights are views of the mapped file"
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     values = {name: p.detach().clone() for name, p in model.named_parameters()}
-    kernels.own_weights(model)
+    chooser.own_weights(model)
     assert not [name for name, p in model.named_parameters() if _mapped_from(file, p)]
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     assert all(torch.equal(p, values[name]) for name, p in model.named_parameters())
@@ -417,7 +418,6 @@ def _stub_linear_times(monkeypatch, ms: dict[str, float]):
 def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone(monkeypatch, tmp_path):
     """bf16 wins on the linear layers' times, but its whole step (the small operations between them run in torch)
     is the slowest: fp16 weights are chosen, on step times measured on copies of the model prepared per format."""
-    from tr_core.speed import calibrate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
@@ -430,7 +430,7 @@ def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone
                        kernels.plan_of(model)))
         ms = {"fp32": 8.0, "fp16": 5.0, "bf16": 12.0}
         return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
-    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    monkeypatch.setattr(stepbench, "whole_steps_ms", fake_whole)
     plan = prepare_model(model, "fast")
     assert plan.fmt == "fp16" and model.dtype == torch.float32 and kernels.plan_of(model).fmt == "fp16"
     copies, sizes, original = trials[0]
@@ -451,7 +451,6 @@ def test_a_close_call_between_formats_times_every_format_again(monkeypatch, tmp_
     """fp16 weights and bf16 come out within 10% in the first rounds (fp32 far behind): every format is timed
     again, in more rounds, and the second reading decides (all formats on one reading: the machine may have slowed
     down in between); the plan says so, and so does the cache."""
-    from tr_core.speed import calibrate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
@@ -461,7 +460,7 @@ def test_a_close_call_between_formats_times_every_format_again(monkeypatch, tmp_
         trials.append((sorted(models), kw.get("repeats")))
         ms = {"fp32": 8.0, "fp16": 5.0, "bf16": 5.3} if len(trials) == 1 else {"fp32": 9.0, "fp16": 6.0, "bf16": 4.8}
         return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
-    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    monkeypatch.setattr(stepbench, "whole_steps_ms", fake_whole)
     model = tiny_model("llama", dtype=torch.float32)
     plan = prepare_model(model, "fast")
     assert trials == [(["bf16", "fp16", "fp32"], None), (["bf16", "fp16", "fp32"], layouts.CLOSE_ROUNDS)]
@@ -478,7 +477,6 @@ def test_a_close_call_between_formats_times_every_format_again(monkeypatch, tmp_
 
 @needs_fbgemm
 def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypatch, tmp_path):
-    from tr_core.speed import calibrate
     from tr_core.speed.lean import fuse
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -487,12 +485,12 @@ def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypat
     def fake_whole(models, sizes, **kw):  # fp16: fastest alone, steep; bf16: slower alone, flat
         curve = {"fp16": lambda n: 5.0 * (1 + n / 4), "bf16": lambda n: 6.0, "fp32": lambda n: 9.0 * (1 + n / 4)}
         return {name: {n: curve[name](n) for n in sizes} for name in models}, False
-    monkeypatch.setattr(calibrate, "whole_steps_ms", fake_whole)
+    monkeypatch.setattr(stepbench, "whole_steps_ms", fake_whole)
     model = tiny_model("llama", dtype=torch.float32)
     fuse(model)
     gain = {1: 1.0, 2: 1.5, 4: 2.0, 8: 2.5, 16: 3.0, 32: 3.5, 81: 4.0}
-    plan = kernels.choose_plan(model, "fast", gain=gain)
-    assert plan.fmt == "bf16" and set(plan.whole_ms["bf16"]) == set(kernels.WHOLE_SIZES)
+    plan = chooser.choose_plan(model, "fast", gain=gain)
+    assert plan.fmt == "bf16" and set(plan.whole_ms["bf16"]) == set(chooser.WHOLE_SIZES)
     # fp16's best: 2 nodes, 1.5 tokens in 7.5 ms (1 in 6.25 ms alone, 2 in 10 ms at 4 nodes)
     assert plan.speed["bf16"] == (81, 4.0 / 6.0) and plan.speed["fp16"] == (2, 1.5 / 7.5)
     said = kernels.describe_format(plan)
@@ -503,12 +501,11 @@ def test_with_expected_tokens_a_flat_whole_step_wins_on_decoding_speed(monkeypat
 
 @needs_fbgemm
 def test_without_memory_for_the_copies_the_linear_layers_choose_and_the_sentence_says_so(monkeypatch, tmp_path):
-    from tr_core.speed import calibrate
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
-    monkeypatch.setattr(kernels, "available_memory_bytes", lambda: 2**20)
-    monkeypatch.setattr(calibrate, "whole_steps_ms", lambda *a, **k: pytest.fail("no copies without the memory"))
+    monkeypatch.setattr(chooser, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(stepbench, "whole_steps_ms", lambda *a, **k: pytest.fail("no copies without the memory"))
     model = tiny_model("llama", dtype=torch.float32)
     plan = prepare_model(model, "fast")
     assert plan.fmt == "bf16" and not plan.whole_ms
@@ -524,7 +521,7 @@ def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was(
     fuse(model)
     before = {name: p.clone() for name, p in model.named_parameters()}
     plans = layouts.format_plans(model, "fast")
-    steps, why, _ = kernels.whole_steps(model, plans, (1, 4), cache=False)
+    steps, why, _ = chooser.whole_steps(model, plans, (1, 4), cache=False)
     assert set(steps) == set(plans) and why.startswith("measured here")
     assert all(set(by) == {1, 4} and 0 < by[1] <= by[4] for by in steps.values())
     assert kernels.plan_of(model) is None and all(type(m) is not kernels.ChosenLinear for m in model.modules())
@@ -535,7 +532,7 @@ def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was(
 def test_a_format_whose_whole_model_is_not_batch_invariant_is_never_offered(monkeypatch, tmp_path):
     """fp16 weights win on every timing, but their prepared model fails ``invariance.check`` (stubbed): the chooser
     drops them, runs the next format, and says why; where every format fails, the plan says it is not invariant."""
-    from tr_core.speed import calibrate, invariance
+    from tr_core.speed import invariance
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 3.0})
@@ -547,7 +544,7 @@ def test_a_format_whose_whole_model_is_not_batch_invariant_is_never_offered(monk
         checked.append(fmt)
         return {130: {"tree of 2": [0, 0], "prefill in 7s": [0, 5, 0, 0] if fmt in failing else [0, 0, 0, 0]}}
     monkeypatch.setattr(invariance, "check", fake_check)
-    monkeypatch.setattr(calibrate, "whole_steps_ms", lambda models, sizes, **kw: (
+    monkeypatch.setattr(stepbench, "whole_steps_ms", lambda models, sizes, **kw: (
         {name: {n: {"fp32": 8.0, "fp16": 4.0, "bf16": 6.0}[name] for n in sizes} for name in models}, False))
     plan = prepare_model(tiny_model("llama", dtype=torch.float32), "fast")
     assert sorted(checked) == ["bf16", "fp16", "fp32"]

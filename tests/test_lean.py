@@ -57,7 +57,8 @@ def test_decoding_runs_the_lean_forward_only_where_it_applies():
 
 
 def test_lean_forward_follows_linears_swapped_after_it_was_made():
-    from tr_core.speed.kernels import ChosenLinear, prepare_model
+    from tr_core.speed.chooser import prepare_model
+    from tr_core.speed.kernels import ChosenLinear
     from tr_core.speed.layouts import linear_shapes, make_plan
     model = tiny_model("llama", dtype=torch.float32)
     lean = body(model)
@@ -104,7 +105,8 @@ def test_fused_projections_compute_what_the_separate_ones_did():
 
 
 def test_prepare_model_fuses_where_it_measures_the_fused_shapes():
-    from tr_core.speed.kernels import ChosenLinear, prepare_model
+    from tr_core.speed.chooser import prepare_model
+    from tr_core.speed.kernels import ChosenLinear
     from tr_core.speed.layouts import linear_shapes, make_plan
     model = tiny_model("llama", dtype=torch.float32)
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}  # the separate layers' shapes

@@ -10,7 +10,8 @@ from conftest import tiny_model
 from transformers import DynamicCache
 
 from tr_core.speed import attention, kernels, lean, native
-from tr_core.speed.kernels import body, kernel_summary, prepare_model
+from tr_core.speed.chooser import prepare_model
+from tr_core.speed.kernels import body, kernel_summary
 from tr_core.speed.kv import new_cache
 
 HAS_COMPILER = bool(shutil.which("gcc") or shutil.which("cc"))
@@ -347,7 +348,7 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     assert calls == [64, 2, 3]
     for a, b in zip(in_c, from_python):
         assert torch.equal(a, b)
-    # a norm's weight given new memory (as kernels.own_weights does): the one call reads the new one
+    # a norm's weight given new memory (as chooser.own_weights does): the one call reads the new one
     norm = model.base_model.layers[1].post_attention_layernorm.weight
     norm.data = norm.data * 1.5
     monkeypatch.setattr(lean.LeanLlama, "stacked", True)

@@ -115,14 +115,14 @@ def test_the_share_on_huge_pages_is_read_from_the_process_own_mappings(monkeypat
 def test_a_plan_s_native_tiles_are_packed_on_advised_pages_and_the_summary_says_how_many(monkeypatch):
     from conftest import tiny_model
 
-    from tr_core.speed import kernels
+    from tr_core.speed import chooser, kernels
     from tr_core.speed.layouts import linear_shapes, make_plan
 
     def prepared():
         model = tiny_model("llama", dtype=torch.float32)
         counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
         t = {(s, r, n): 1.0 if n == "native" else 2.0 for s in counts for r in (1, 4) for n in ("linear", "native")}
-        kernels.prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear", "native")))
+        chooser.prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear", "native")))
         return model
 
     placed = prepared()

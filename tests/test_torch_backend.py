@@ -385,3 +385,17 @@ def test_a_one_row_run_reads_its_prompt_wide_and_decodes_on_that_cache():
         a = one.verify(ids[-1:], chain_tree(0), 89)[0]
         b = padded.verify(ids[-1:], chain_tree(0), 89)[0]
     assert one.passes == 1 and torch.allclose(a, b, atol=1e-4), (one.passes, (a - b).abs().max())
+
+
+def test_a_tree_fitted_larger_than_the_rows_starts_its_budget_at_the_largest_size_that_fits(monkeypatch, embedded):
+    # seen on a fresh machine: t(N) measured flat enough that the fit chose 24 nodes for a run of 16 rows; the budget's
+    # trees stop at the rows, and it must start from the largest of them, not fail (stubbed t(N): flat to 32 nodes)
+    from tr_core import engine as engine_module
+    from tr_core.engine import Engine, EngineConfig
+
+    monkeypatch.setattr(engine_module, "step_curve", lambda model, name, context=256: {n: 10.0 for n in (1, 8, 16, 32)})
+    model, tokenizer = embedded
+    engine = Engine(tiny_copy(model), tokenizer, EngineConfig(backend="torch", tree="auto", rows=8))
+    assert engine.fitted.tree.size > 8 and engine.nested.sizes[-1] <= 8
+    budget = engine.budget_for("tr")
+    assert engine.drafter("tr").budget is budget and budget.choose() == engine.nested.sizes[-1]

@@ -18,8 +18,8 @@ from . import trace_file
 from .backend import add_device_arguments, device_name
 from .engine import METHODS, Engine, EngineConfig
 from .models import ModelLoadError
+from .modes import MODES
 from .sampling import Sampling
-from .speed import MODES
 from .stats import SPEEDUP_DEFINITION, speedup
 from .tree import TreeTemplateError
 

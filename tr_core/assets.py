@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -58,7 +59,5 @@ def model_slug(model) -> str:
 
 def acceptance_stats(model, folder: Path = ACCEPTANCE_DIR) -> dict | None:
     """The model's shipped acceptance statistics (``node_paths``, ``acceptance``, ...), or None where it has none."""
-    import json
-
     path = acceptance_path(model_slug(model), folder)
     return json.loads(path.read_text()) if path.is_file() else None

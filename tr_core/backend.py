@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from .modes import MODES, torch_dtype  # noqa: F401 (the seam offers them)
+from .machine import cpu_name, device_name  # noqa: F401 (the seam offers them)
+from .modes import DEFAULT_FIT_CONTEXT, MODES, interpolate, torch_dtype  # noqa: F401 (the seam offers them)
 from .tree import TreeBuffers
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -93,13 +94,6 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     return device
 
 
-def device_name(device: torch.device) -> str:
-    """The machine a device is, in words: the GPU's name, or the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
 def resolve_backend(spec: str | None, device: torch.device) -> str:
     """``"auto"`` (or None): ``"native"`` on a CPU, ``"torch"`` on any other device; else the name, checked.
 
@@ -128,6 +122,51 @@ def make_backend(model: PreTrainedModel, kind: str = "auto", rows: int | None = 
         return NativeBackend(model, head)
     from .fixed import TorchBackend
     return TorchBackend(model, rows)
+
+
+# --- what the engine asks of a backend before its first run ----------------------------------------------------------
+# The model's preparation, its dtype, its output layer and its step-time curve, per backend: each answered by that
+# backend's room, imported where asked (a machine uses one).
+
+
+def load_dtype(name: str, mode: str) -> torch.dtype:
+    """The dtype backend ``name`` loads a model in for ``mode``: fp32 on the native backend (the fast mode measures
+    its formats on the fp32 model and converts it where it chooses so), ``torch_dtype`` on the torch backend."""
+    if name == "native":
+        from .speed import mode_dtype
+        return mode_dtype(mode)[0]
+    return torch_dtype(mode)
+
+
+def prepare(model: PreTrainedModel, name: str, mode: str):
+    """Put ``model`` on backend ``name``'s kernels for ``mode`` (in place; idempotent: on the native backend the
+    kernel plan is measured on this machine the first time, then cached) and return its output layer, a callable
+    hidden states (n, d) -> logits (n, V) that computes only the rows it is given."""
+    if name == "native":
+        from .speed import OutputHead, prepare_model
+        prepare_model(model, mode)
+        return OutputHead(model)
+    from .fixed import OutputLayer
+    return OutputLayer(model)
+
+
+def step_curve(model: PreTrainedModel, name: str, context: int | tuple[int, ...] = DEFAULT_FIT_CONTEXT
+               ) -> dict[int, float]:
+    """t(N), the ms of a step verifying N tokens, of backend ``name`` on this machine over a ``context``-token cache
+    (several: averaged over them; the torch backend: at their mean), measured once and cached per machine."""
+    if name == "native":
+        from .speed import context_curve
+        return context_curve(model, context)
+    from .fixed.timing import rows_curve
+    prefix = context if isinstance(context, int) else round(sum(context) / len(context))
+    return rows_curve(model, prefix)
+
+
+def pass_rows(model: PreTrainedModel, tree_size: int | None) -> int:
+    """The torch backend's query rows a pass for trees of ``tree_size`` nodes: rounded up to its tile; None: its
+    default on the model's device."""
+    from .fixed import TILE, default_rows, round_up
+    return default_rows(model.device) if tree_size is None else round_up(tree_size, TILE)
 
 
 # --- what the app asks of this machine and of the kernels a model runs on --------------------------------------------
@@ -164,12 +203,6 @@ def machine_profile(model: PreTrainedModel, context) -> dict:
     """What the step-cost model of ``tr_core.projection`` needs of this machine and model."""
     from .speed import machine_profile as profile
     return profile(model, context)
-
-
-def cpu_name() -> str:
-    """This machine's CPU, by name."""
-    from .speed import cpu_name as name
-    return name()
 
 
 def runnable_threads() -> int | None:

@@ -19,13 +19,29 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .assets import TREES_DIR, acceptance_path, hot_start_path, model_slug
-from .backend import BACKENDS, make_backend, resolve_backend, resolve_device, torch_dtype
+from .assets import TREES_DIR, acceptance_path, acceptance_stats, hot_start_path, model_slug
+from .backend import (
+    BACKENDS,
+    DEFAULT_FIT_CONTEXT,
+    MODES,
+    interpolate,
+    load_dtype,
+    make_backend,
+    mode_note,
+    pass_rows,
+    prepare,
+    resolve_backend,
+    resolve_device,
+    step_curve,
+)
+from .beyond.context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
+from .beyond.dynamic import DynamicRecyclingDrafter, PathCalibration
+from .beyond.suffix import SuffixDrafter
 from .budget import TreeBudget, candidate_sizes, likeliest_first
 from .decoding import DecodeResult, decode, max_positions, run
 from .drafters import (
@@ -44,14 +60,11 @@ from .methods import METHODS as METHOD_SPECS
 from .methods import NAMES
 from .methods import check as check_method
 from .models import encode_prompt, eos_token_ids, load_model
+from .rivals.lookahead import LookaheadDrafter, choose_size
+from .rivals.rest import RestDrafter, python_sources_datastore
 from .sampling import Sampling
-from .speed import DEFAULT_FIT_CONTEXT, MODES, OutputHead, context_curve, interpolate, mode_dtype, prepare_model
 from .text import TokenText
 from .tree import TreeBuffers, load_template
-
-if TYPE_CHECKING:
-    from .beyond.context import BranchAcceptance
-    from .beyond.dynamic import PathCalibration
 
 TREE_DIRS = (TREES_DIR,)  # where a tree named by the user is looked up, beside the built-in templates
 METHODS = NAMES
@@ -140,50 +153,63 @@ class Learners:
     many drafts a unit of path probability brought (``tr-dynamic``, ``tr-plus``). None of it holds a token."""
 
     budgets: dict[str, TreeBudget] = field(default_factory=dict)
-    branches: dict[str, "BranchAcceptance"] = field(default_factory=dict)
-    calibrations: dict[str, "PathCalibration"] = field(default_factory=dict)
+    branches: dict[str, BranchAcceptance] = field(default_factory=dict)
+    calibrations: dict[str, PathCalibration] = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 config: EngineConfig = EngineConfig()):
-        self._datastore = None  # REST's, on first use (``datastore``)
+                 config: EngineConfig = EngineConfig(), like: "Engine | None" = None):
+        """An engine over a loaded ``model``: its kernels prepared for ``config.mode``, its tree fitted, a fresh
+        matrix. ``like``: an engine on the same model whose measured parts this one takes where ``config`` allows
+        (the output layer, the REST datastore, the torch backend's rows and the fitted tree where their settings are
+        the same, the learners where only the method differs): what ``with_config`` passes."""
+        if like is not None:
+            if like.model is not model:
+                raise ValueError("like: an engine on the same loaded model")
+            if config.mode != like.config.mode:
+                raise ValueError("the mode sets the model's dtype: load another engine to change it")
+        self._datastore = like._datastore if like else None  # REST's, on first use (``datastore``)
         self.model, self.tokenizer = model, tokenizer
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.backend_name = resolve_backend(config.backend, model.device)
-        if self.backend_name == "native":
-            prepare_model(model, config.mode)  # the linear layers' kernels for the mode (kernels.py)
-        self.head = OutputHead(model)
+        if like is not None and self.backend_name != like.backend_name:
+            raise ValueError("the backend sets the model's kernels: load another engine to change it")
+        # the kernels for the mode (the native backend's measured here, tr_core/speed/kernels.py) and the output layer
+        self.head = like.head if like else prepare(model, self.backend_name, config.mode)
         self.config = config
-        self.rows = self._rows()
-        self.fitted, self.tree = _resolve_tree(model, config, self._torch_curve())
-        self.nested = _nested_for(model, self.fitted, self.rows) if self.adaptive else None
-        self.backend = self._make_backend()
-        self.learners = Learners()
+        same_rows = like is not None and (config.rows, config.fit_context) == (like.config.rows,
+                                                                                like.config.fit_context)
+        self.rows = like.rows if same_rows else self._rows()
+        if like is not None and (config.tree, config.top_k, config.fit_context) == (
+                like.config.tree, like.config.top_k, like.config.fit_context):
+            self.fitted, self.tree, self.nested = like.fitted, like.tree, like.nested  # no need to fit again
+        else:
+            self.fitted, self.tree = _resolve_tree(model, config, self._torch_curve())
+            self.nested = _nested_for(model, self.fitted, self.rows) if self.adaptive else None
+        reuse = like is not None and self.rows == like.rows and config.rows == like.config.rows
+        self.backend = like.backend if reuse else self._make_backend()
+        # the same settings share the budgets: each run teaches its method's (see the module docstring)
+        same = like is not None and replace(config, method=like.config.method) == like.config
+        self.learners = like.learners if same else Learners()
         self.matrix = self.fresh_matrix()
         self._variants: dict[str, Engine] = {}  # the registry's variants of a method (drafter), made on first use
 
     def _torch_curve(self) -> dict[int, float] | None:
         """The torch backend's t(N), measured on its device (``fixed.timing.rows_curve``); None on the native one,
-        whose t(N) is ``calibrate.context_curve``'s."""
-        if self.backend_name != "torch":
-            return None
-        from .fixed.timing import rows_curve
-        context = self.config.fit_context
-        prefix = context if isinstance(context, int) else round(sum(context) / len(context))
-        return rows_curve(self.model, prefix)
+        whose t(N) the fitting reads itself (``calibrate.context_curve``)."""
+        return step_curve(self.model, "torch", self.config.fit_context) if self.backend_name == "torch" else None
 
     def mode_note(self) -> str:
         """The mode in words: what the native kernels chose for it here, or the torch backend's dtype."""
         if self.backend_name == "native":
-            return mode_dtype(self.config.mode, self.model)[1]
+            return mode_note(self.config.mode, self.model)
         return f"{self.config.mode}: {str(self.model.dtype).removeprefix('torch.')} (torch backend)"
 
     def step_curve(self) -> dict[int, float]:
         """t(N) (ms) of this engine's backend on this machine, on the config's ``fit_context``."""
-        curve = self._torch_curve()
-        return context_curve(self.model, self.config.fit_context) if curve is None else curve
+        return step_curve(self.model, self.backend_name, self.config.fit_context)
 
     def _rows(self) -> int | None:
         """The torch backend's query rows a pass, the same for every engine of one model and ``fit_context``, so
@@ -196,25 +222,20 @@ class Engine:
             return None
         if self.config.rows:
             return self.config.rows
-        from .fixed import TILE, default_rows, round_up
         if not has_acceptance_stats(self.model):
-            return default_rows(self.model.device)
+            return pass_rows(self.model, None)
         fitted = auto_tree(self.model, context=self.config.fit_context, curve=self._torch_curve())
-        return round_up(fitted.tree.size, TILE)
+        return pass_rows(self.model, fitted.tree.size)
 
     def _make_backend(self):
-        if self.backend_name == "native":
-            from .speed.backend import NativeBackend
-            return NativeBackend(self.model, self.head)
-        return make_backend(self.model, "torch", self.rows)
+        return make_backend(self.model, self.backend_name, self.rows, head=self.head)
 
     @classmethod
     def load(cls, model_id: str | None = None, config: EngineConfig = EngineConfig(),
              dtype: torch.dtype | None = None) -> "Engine":
         device = resolve_device(config.device)
         if dtype is None:
-            native = resolve_backend(config.backend, device) == "native"
-            dtype = mode_dtype(config.mode)[0] if native else torch_dtype(config.mode)
+            dtype = load_dtype(resolve_backend(config.backend, device), config.mode)
         model, tokenizer = load_model(model_id, dtype=dtype, device=str(device))
         return cls(model, tokenizer, config)
 
@@ -254,7 +275,9 @@ class Engine:
         expected = [row["expected_accepted"] for row in table]
         acceptance = [1.0] + [max(0.0, b - a) for a, b in zip(expected, expected[1:])]
         sizes = self.nested.sizes
-        return TreeBudget(sizes, [table[n - 1]["step_ms"] for n in sizes], acceptance, start=self.fitted.tree.size)
+        # the fitted size, or the largest size under it where the torch backend's rows cap the trees (``_nested_for``)
+        start = max(n for n in sizes if n <= self.fitted.tree.size)
+        return TreeBudget(sizes, [table[n - 1]["step_ms"] for n in sizes], acceptance, start=start)
 
     def fresh_matrix(self) -> AdjacencyMatrix:
         """The starting matrix: the hot-start file if the config names one, else an empty (cold) matrix."""
@@ -271,33 +294,9 @@ class Engine:
 
     def with_config(self, **changes) -> "Engine":
         """Another engine on the same loaded model with some settings changed (and its own matrix; the same tree
-        budgets where only the method changed, else fresh ones). The mode is the loaded model's dtype: changing it
-        needs a new ``Engine.load``."""
-        if "mode" in changes and changes["mode"] != self.config.mode:
-            raise ValueError("the mode sets the model's dtype: load another engine to change it")
-        config = replace(self.config, **changes)
-        engine = Engine.__new__(Engine)
-        if "backend" in changes and resolve_backend(changes["backend"], self.model.device) != self.backend_name:
-            raise ValueError("the backend sets the model's kernels: load another engine to change it")
-        engine.model, engine.tokenizer, engine.eos_ids, engine.vocab_size, engine.head, engine._datastore = (
-            self.model, self.tokenizer, self.eos_ids, self.vocab_size, self.head, self._datastore)
-        engine.config, engine.backend_name = config, self.backend_name
-        engine.rows = self.rows if (config.rows, config.fit_context) == (self.config.rows, self.config.fit_context) \
-            else engine._rows()
-        if (config.tree, config.top_k, config.fit_context) == (self.config.tree, self.config.top_k,
-                                                               self.config.fit_context):
-            engine.fitted, engine.tree, engine.nested = self.fitted, self.tree, self.nested  # no need to fit again
-        else:
-            engine.fitted, engine.tree = _resolve_tree(self.model, config, engine._torch_curve())
-            engine.nested = _nested_for(self.model, engine.fitted, engine.rows) if engine.adaptive else None
-        engine.backend = (self.backend if engine.rows == self.rows and config.rows == self.config.rows
-                          else engine._make_backend())
-        # the same settings share the budgets: each run teaches its method's (see the module docstring)
-        same = replace(config, method=self.config.method) == self.config  # budgets are kept per method already
-        engine.learners = self.learners if same else Learners()
-        engine.matrix = engine.fresh_matrix()
-        engine._variants = {}
-        return engine
+        budgets where only the method changed, else fresh ones): ``Engine(..., like=self)``. The mode is the loaded
+        model's dtype and the backend its kernels: changing either needs a new ``Engine.load``."""
+        return Engine(self.model, self.tokenizer, replace(self.config, **changes), like=self)
 
     def with_matrix(self, matrix: AdjacencyMatrix) -> "Engine":
         """Another engine on the same model and settings that drafts from (and teaches) ``matrix``: a user's own
@@ -317,7 +316,6 @@ class Engine:
         """REST's datastore for this engine's tokenizer (``rivals.rest.python_sources_datastore``: built on first
         use, then cached on disk and shared by the process), unless one was given (``use_datastore``)."""
         if self._datastore is None:
-            from .rivals.rest import python_sources_datastore
             self._datastore = python_sources_datastore(self.tokenizer)
         return self._datastore
 
@@ -343,16 +341,12 @@ class Engine:
         if method == "pld":
             return PromptLookupDrafter(self.config.pld_max_ngram, 1, self.config.pld_max_draft)
         if method == "suffix":
-            from .beyond.suffix import SuffixDrafter
             return SuffixDrafter()
         if method == "rest":  # as many of the likeliest nodes as pay for themselves on this machine's t(N)
-            from .beyond.dynamic import PathCalibration
-            from .rivals.rest import RestDrafter
             curve = self.step_curve()
             calibration = self.learners.calibrations.setdefault(method, PathCalibration())  # kept across requests
             return RestDrafter(self.datastore(), step_ms=lambda n: interpolate(curve, n), calibration=calibration)
         if method == "lookahead":
-            from .rivals.lookahead import LookaheadDrafter
             size = self.lookahead_size()
             return LookaheadDrafter(size["width"], size["n"], size["guesses"])
         if method == "tr":
@@ -367,8 +361,6 @@ class Engine:
         """Lookahead decoding's window size, n-gram size and guesses (``width``, ``n``, ``guesses``) for this model
         on this machine, and ``why``: of the sizes measured for the model (shipped with its acceptance statistics),
         the one with the most tokens per ms on t(N) measured here (``rivals.lookahead.choose_size``)."""
-        from .assets import acceptance_stats
-        from .rivals.lookahead import choose_size
         measured = (acceptance_stats(self.model) or {}).get("lookahead", [])
         curve = self.step_curve() if measured else None
         return choose_size(measured, (lambda n: interpolate(curve, n)) if curve else None)
@@ -389,8 +381,6 @@ class Engine:
         return nested, budgets[method]
 
     def _beyond_paper(self, method: str, nested: NestedTrees, budget: TreeBudget, seed: bool) -> Drafter:
-        from .beyond.context import BranchAcceptance, ContextRecyclingDrafter, PlusRecyclingDrafter
-        from .beyond.dynamic import DynamicRecyclingDrafter, PathCalibration
         # what the method learns besides step times, kept across requests like the budget
         learners = self.learners
         if method in ("tr-context", "tr-plus"):

@@ -13,7 +13,7 @@ from typing import Sequence
 from transformers import PreTrainedModel
 
 from .assets import ACCEPTANCE_DIR, acceptance_path, model_slug
-from .speed import DEFAULT_FIT_CONTEXT, context_curve, interpolate
+from .backend import DEFAULT_FIT_CONTEXT, interpolate, step_curve
 from .tree import TreeBuffers, build_tree
 
 
@@ -134,7 +134,7 @@ def auto_tree(model: PreTrainedModel, acceptance_dir: Path = ACCEPTANCE_DIR, siz
     name = "auto" if size is None else f"auto-{size}"
     factors = {int(n): f for n, f in stats.get("size_factors", {}).items()}
     limit = None if curve is None else max(curve) - 1
-    curve = context_curve(model, context) if curve is None else curve
+    curve = step_curve(model, "native", context) if curve is None else curve
     fitted = fit_tree(source, stats["acceptance"], curve, name=name, size=size, factors=factors, max_nodes=limit)
     fitted.context = context
     return fitted

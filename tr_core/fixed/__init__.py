@@ -5,6 +5,6 @@
 captured graph (``graph.py``). ``timing.rows_curve`` measures t(R) for it where it runs.
 """
 
-from .backend import TILE, TorchBackend, default_rows, round_up, supports
+from .backend import TILE, OutputLayer, TorchBackend, default_rows, round_up, supports
 
-__all__ = ["TILE", "TorchBackend", "default_rows", "round_up", "supports"]
+__all__ = ["TILE", "OutputLayer", "TorchBackend", "default_rows", "round_up", "supports"]

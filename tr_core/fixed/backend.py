@@ -42,6 +42,24 @@ def default_rows(device: torch.device) -> int:
     return DEFAULT_ROWS.get(device.type, DEFAULT_ROWS["cuda"])
 
 
+class OutputLayer:
+    """A model's output layer as the torch backend computes it (``FixedRun.head``): hidden states (n, d) -> logits
+    (n, V), for the rows given only."""
+
+    def __init__(self, model: PreTrainedModel):
+        head = model.get_output_embeddings()
+        self.weight, self.bias = head.weight, getattr(head, "bias", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return project(hidden, self.weight, self.bias)
+
+
+def project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The output layer's logits (n, V) of ``hidden`` (n, d)."""
+    logits = F.linear(hidden, weight)
+    return logits + bias if bias is not None else logits
+
+
 def _shape(model: PreTrainedModel) -> tuple[int, int, int]:
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = text.num_attention_heads
@@ -93,8 +111,7 @@ class FixedRun:
         return hidden, self.head(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        return logits + self.bias if self.bias is not None else logits
+        return project(hidden, self.weight, self.bias)
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
              past: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,7 +116,7 @@ def fixed_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
     graph cannot hold), so such a call attends causally from the first position, as a forward over a whole sequence
     does."""
     if tr_rows is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # only for calls outside a run
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     state = tr_rows
@@ -139,7 +139,7 @@ def fixed_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: 
 
 def use_for(model) -> None:
     """Make ``model`` attend with ``fixed_rows_attention`` (registered with transformers once)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # transformers' registry, loaded only where a model uses the backend
 
     AttentionInterface.register(NAME, fixed_rows_attention)
     model.config._attn_implementation = NAME

@@ -19,11 +19,12 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ..backend import device_name
 from ..cachefiles import write_atomically
+from ..machine import device_name
 from ..models import default_cache_dir, file_name
 from ..topk import greedy_and_top_k
 from ..tree import build_tree, chain_tree, load_template
+from . import backend, graph, rows
 from .backend import TILE, TorchBackend, round_up
 from .rows import window_start
 
@@ -33,7 +34,6 @@ CPU_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # on a CPU, where a pass's cost grows 
 
 def _code() -> str:
     """A digest of the code a pass runs and this measurement (a change measures anew)."""
-    from . import backend, graph, rows
     digest = hashlib.sha256()
     for module in (backend, graph, rows, sys.modules[__name__]):
         digest.update(Path(module.__file__).read_bytes())

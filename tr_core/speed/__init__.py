@@ -13,6 +13,7 @@ The algorithm (``tr_core``'s top-level modules) imports from this package only, 
 from importlib import import_module
 
 from .attention import window_room
+from .chooser import prepare_model
 from .kernels import (
     MODES,
     OutputHead,
@@ -22,7 +23,6 @@ from .kernels import (
     grouped_query_attention_in_sdpa,
     kernel_summary,
     mode_dtype,
-    prepare_model,
     window,
 )
 from .kv import keep_accepted_path, new_cache
@@ -30,7 +30,7 @@ from .layouts import cpu_name
 
 # the calibration measures whole steps (it imports the lean forward and the kernels): loaded on first use
 _LAZY = {"DEFAULT_FIT_CONTEXT": "calibrate", "context_curve": "calibrate", "interpolate": "calibrate",
-         "machine_key": "calibrate", "machine_profile": "calibrate"}
+         "machine_key": "calibrate", "machine_profile": "calibrate"}  # (the first and third live in tr_core.modes)
 
 __all__ = ["MODES", "OutputHead", "body", "cache_dtype", "cpu_name", "feed", "grouped_query_attention_in_sdpa",
            "kernel_summary", "keep_accepted_path", "mode_dtype", "new_cache", "prepare_model", "window", "window_room",

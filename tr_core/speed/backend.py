@@ -1,7 +1,7 @@
 """The native backend (``tr_core.backend``'s seam): this project's CPU kernels behind the loop's four calls.
 
 A run holds a preallocated KV cache (``kv.new_cache``); a pass is the lean forward (``lean.LeanLlama``) where the
-model allows it, with the kernel plan chosen by measurement (``kernels.prepare_model``) and the batch-invariant
+model allows it, with the kernel plan chosen by measurement (``chooser.prepare_model``) and the batch-invariant
 attention (``attention.py``), else the model's own forward with a 4D tree mask.
 """
 

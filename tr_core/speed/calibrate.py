@@ -10,6 +10,8 @@ plain step against the time its weights take to stream and t(16)/t(1) against th
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import statistics
 import sys
@@ -22,36 +24,32 @@ from transformers import PreTrainedModel
 
 from .. import topk
 from ..cachefiles import write_atomically
-from ..models import default_cache_dir, max_positions
-from ..topk import top_k
-from ..tree import build_tree, load_template
-from . import attention, kv, layouts, lean, native
+from ..models import default_cache_dir, load_model
+from ..modes import DEFAULT_FIT_CONTEXT, MODES, interpolate  # noqa: F401 (offered here too)
+from . import attention, kv, layouts, lean, native, stepbench
 from . import backend as backend_module
 from . import kernels as kernels_module
-from .attention import BLOCK
-from .backend import tree_attention
+from .chooser import choose_plan, prepare_model, tree_gain
+from .fusion import fuse, fused_shapes
 from .kernels import (
-    OutputHead,
     body,
-    cache_dtype,
-    feed,
-    grouped_query_attention_in_sdpa,
+    describe_format,
     parameter_count,
     plan_of,
-    window,
 )
-from .kv import new_cache
-from .layouts import cpu_name, source_digest
+from .layouts import LAYOUTS, cpu_name, linear_shapes, source_digest
+from .native import PEAK_KINDS
+from .stepbench import StepBench, bench_prefix, paired_curve, whole_steps_ms  # noqa: F401 (offered here)
 
 
 def machine_key(model: PreTrainedModel) -> str:
     """What t(N) depends on: the model, its dtype and linear kernels, the processor and the thread count."""
     name = Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
-    # the kernels the model was prepared with (kernels.prepare_model: format and layouts chosen by measurement), and
+    # the kernels the model was prepared with (chooser.prepare_model: format and layouts chosen by measurement), and
     # the code of the forward path and of this measurement
     plan = plan_of(model)
-    code = source_digest(attention, sys.modules[__name__], topk, backend_module, kernels_module, kv, lean, layouts,
-                         native)
+    code = source_digest(attention, sys.modules[__name__], stepbench, topk, backend_module, kernels_module, kv, lean,
+                         layouts, native)
     code += native.tag()
     kernels = f"{code}-" + (plan.tag() if plan is not None else "torch")
     device = model.device.type if model.device.type != "cpu" else cpu_name()
@@ -60,81 +58,11 @@ def machine_key(model: PreTrainedModel) -> str:
 
 
 # The context (prompt and answer so far, in tokens) t(N) is calibrated on and the tree fitted for, unless a caller
-# says otherwise. A tree step's extra cost grows with the context, faster than linearly (docs/speed.md), so a
-# workload of many contexts (the benchmark's questions) is fitted on t(N) averaged over its contexts
-# (``context_curve``), not on t(N) at their mean context.
-DEFAULT_FIT_CONTEXT = 256
+# says otherwise (``modes.DEFAULT_FIT_CONTEXT``). A tree step's extra cost grows with the context, faster than
+# linearly (docs/speed.md), so a workload of many contexts (the benchmark's questions) is fitted on t(N) averaged over
+# its contexts (``context_curve``), not on t(N) at their mean context.
 # contexts t(N) is measured at when it is averaged over many; each context in between is interpolated linearly
 CONTEXT_GRID = (128, 256, 512, 1024, 2048)
-
-
-def bench_prefix(model: PreTrainedModel, sizes: Sequence[int], prefix: int) -> tuple[int, bool]:
-    """The cache length t(N) is timed on, for a wanted ``prefix``, and whether the model runs the batch-invariant
-    (windowed) attention, ``attention.py``."""
-    max_pos = max_positions(model)
-    if max_pos is not None:  # a model with a short context is calibrated on the longest cache that leaves room
-        prefix = max(1, min(prefix, max_pos - max(sizes) - 1))
-    windowed = window(body(model)) is not None
-    if windowed and prefix >= BLOCK:  # the root at a window's start: every tree's depth fits in its window
-        prefix = prefix // BLOCK * BLOCK
-    elif windowed:  # a short cache: the deepest tree still in the first window
-        prefix = max(1, min(prefix, BLOCK - 1 - load_template("paper").max_depth))
-    return prefix, windowed
-
-
-class StepBench:
-    """A model's steps of N tree tokens (the first N nodes of the paper tree, with its tree mask) on top of a
-    ``prefix``-token cache, set up to be timed as ``measure_forward_ms`` times them: the forward, and the argmax
-    (N = 1) or every node's top-k (N > 1)."""
-
-    @torch.inference_mode()
-    def __init__(self, model: PreTrainedModel, sizes: Sequence[int], prefix: int = DEFAULT_FIT_CONTEXT):
-        prefix, _ = bench_prefix(model, sizes, prefix)
-        paper = load_template("paper")
-        self.prefix, self.sizes = prefix, tuple(sizes)
-        self.device = device = model.device
-        if device.type == "cpu":
-            grouped_query_attention_in_sdpa()  # as decoding does
-        g = torch.Generator().manual_seed(0)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        ctx = torch.randint(0, vocab, (1, prefix), generator=g).to(device)
-        self.base, self.head = body(model), OutputHead(model)
-        self.cache = new_cache(model.config, prefix + max(sizes), cache_dtype(self.base, model.dtype), device)
-        feed(self.base, ctx[0], self.cache)  # as decoding does
-        self.steps = []
-        for n in self.sizes:
-            tree = build_tree(list(paper.node_paths[1:n]), name=f"first{n}") if n > 1 else None
-            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
-            if tree is None:
-                pos, seen = torch.tensor([[prefix]], device=device), {}
-            else:
-                pos = (prefix + tree.depth.to(device))[None]
-                seen = tree_attention(self.base, tree.to(device), prefix, model.dtype, device)  # as decoding does
-            self.steps.append((n, ids, pos, seen))
-
-    @torch.inference_mode()
-    def time_round(self, block: int) -> dict[int, list[float]]:
-        """One round over the sizes: per size, a block of ``block`` counted steps in a row (ms each), as decoding runs
-        them (a step after a much larger one runs on evicted caches, which decoding never sees); the block's first
-        step (the switch from the size before) runs uncounted."""
-        times = {}
-        for n, ids, pos, seen in self.steps:
-            times[n] = []
-            for b in range(block + 1):
-                t0 = time.perf_counter()
-                hidden = self.base(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True,
-                                   **seen).last_hidden_state[0]
-                logits = self.head(hidden)
-                if n > 1:  # a tree step also takes every node's top-k for the matrix update
-                    top_k(logits, 8)
-                else:
-                    logits.argmax(dim=-1)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                if b:
-                    times[n].append((time.perf_counter() - t0) * 1e3)
-                self.cache.crop(-n)
-        return times
 
 
 def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81),
@@ -162,50 +90,6 @@ def measure_forward_ms(model: PreTrainedModel, sizes: tuple[int, ...] = (1, 2, 3
     if use_cache_file:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(result, indent=1))
-    return result
-
-
-def whole_steps_ms(models: dict[str, PreTrainedModel], sizes: Sequence[int], prefix: int = DEFAULT_FIT_CONTEXT,
-                   repeats: int = 3, block: int = 2) -> tuple[dict[str, dict[int, float]], bool]:
-    """t(N) (``paired_curve``) of each of ``models`` (name -> a prepared model), timed in turn, round by round (the
-    order rotated each round), so that a slow spell of the machine hits each alike; and whether other processes
-    competed for the cores meanwhile (``layouts.machine_busy``). ``kernels.choose_plan`` compares formats by it."""
-    benches = {name: StepBench(model, sizes, prefix) for name, model in models.items()}
-    times = {name: {n: [] for n in sizes} for name in benches}
-    order, load = list(benches), []
-    for round_ in range(repeats + 1):
-        for name in order:
-            got = benches[name].time_round(block)
-            if round_:
-                for n in sizes:
-                    times[name][n].append(got[n])
-            running = layouts.runnable_threads()
-            if running is not None:
-                load.append(running)
-        order = order[1:] + order[:1]
-    return {name: paired_curve(t) for name, t in times.items()}, layouts.machine_busy(load)
-
-
-def paired_curve(times: dict[int, list[list[float]]]) -> dict[int, float]:
-    """t(N) from timings ``times[N][round]`` (ms, a block of steps per round): the smallest size's median over all
-    rounds, times the median over rounds of each round's t(N) / t(smallest) ratio, made non-decreasing in N.
-
-    A ratio is taken within a round, between blocks timed seconds apart, so a slow spell of the machine that spans
-    rounds cancels out of it; a single slow block of the smallest size no longer lifts every size above it.
-
-    >>> paired_curve({1: [[10.0], [20.0], [10.0]], 4: [[12.0], [24.0], [12.0]], 8: [[11.0], [22.0], [11.0]]})
-    {1: 10.0, 4: 12.0, 8: 12.0}
-    """
-    sizes = sorted(times)
-    first = times[sizes[0]]
-    base = statistics.median(t for block in first for t in block)
-    result, running = {}, 1.0
-    for n in sizes:
-        rounds = [statistics.median(b) / statistics.median(a) for a, b in zip(first, times[n]) if a and b]
-        # the median, not the fastest run: decoding pays the typical cost of a step. With the fastest of 5 runs, the
-        # embedded model's t(4)/t(1) came out at 1.19 (exact mode) while the benchmark's steps averaged 1.11
-        running = max(running, statistics.median(rounds))  # more tokens never cost less: a dip is noise
-        result[n] = base * running
     return result
 
 
@@ -247,25 +131,10 @@ def describe_context(context: int | Sequence[int]) -> str:
             f"(mean {statistics.mean(context):.0f})")
 
 
-def interpolate(curve: dict[int, float], n: int) -> float:
-    """t(n) by linear interpolation between measured sizes (flat beyond the ends)."""
-    xs = sorted(curve)
-    if n <= xs[0]:
-        return curve[xs[0]]
-    for a, b in zip(xs, xs[1:]):
-        if n <= b:
-            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
-    return curve[xs[-1]]
-
-
 def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> str:
     """The kernel table of ``mode`` for ``model`` (fp32, unprepared), as text: per shape and row count the chosen
     layout and every candidate's time (ms of one call, this machine), then each format's linear time of a step. The
     shapes are those ``prepare_model`` measures: the fused projections where ``lean.fuse`` applies."""
-    import copy
-
-    from .kernels import LAYOUTS, choose_plan, tree_gain
-    from .lean import fuse, fused_shapes
 
     if fused_shapes(model):
         model = copy.deepcopy(model)
@@ -286,7 +155,6 @@ def show_kernels(model: PreTrainedModel, mode: str, remeasure: bool = False) -> 
     for fmt, steps in plan.whole_ms.items():
         lines.append(f"  step ms, {fmt} (whole step, {DEFAULT_FIT_CONTEXT}-token context): "
                      + ", ".join(f"{r}: {ms:.1f}" for r, ms in sorted(steps.items())))
-    from .kernels import describe_format
     lines.append(f"  {describe_format(plan)}")
     return "\n".join(lines)
 
@@ -338,7 +206,6 @@ def machine_profile(model: PreTrainedModel, context: int | Sequence[int] = DEFAU
 def weight_bytes(model: PreTrainedModel, fmt: str) -> int:
     """Bytes of weights one decoding step streams in format ``fmt`` (``"fp32"``: 4 a value, ``"fp16"``/``"bf16"``:
     2): every linear layer of the body and the output layer (the input embedding reads one row a token)."""
-    from .layouts import linear_shapes
 
     size = 4 if fmt == "fp32" else 2
     return sum(layer.weight.numel() * size for layers in linear_shapes(model).values() for layer in layers)
@@ -404,7 +271,6 @@ def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]
     the format's instruction, None where not measured: then no floor is claimed; and ``attention`` products a row at
     ``attention_peak``, the fp32 multiply-adds' peak, where given). Each ratio is the median of the rounds' own; the
     times and the bandwidth printed are the rounds' medians."""
-    from .native import PEAK_KINDS
 
     med = statistics.median
     gbs = [r[0] for r in rounds]
@@ -436,10 +302,6 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     the read bandwidth of the same minute (the step's memory limit), and its 16-row pass against the least the CPU's
     peak arithmetic allows (``limits_line`` on ``paired_limits``). Prepares a copy of ``model`` (fp32, unprepared) in
     the mode."""
-    import copy
-
-    from . import native
-    from .kernels import plan_of, prepare_model
 
     prepared = copy.deepcopy(model)
     prepare_model(prepared, mode)
@@ -467,10 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m tr_core.speed.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this
     machine for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
     plain step against the time its weights take to stream, and t(16)/t(1) against its floor here."""
-    import argparse
-
-    from ..models import load_model
-    from .kernels import MODES
 
     p = argparse.ArgumentParser(prog="python -m tr_core.speed.calibrate", description=main.__doc__)
     p.add_argument("--show", action="store_true", help="print the chosen kernel table (measured once, then cached)")

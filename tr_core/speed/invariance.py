@@ -4,7 +4,7 @@ inside draft trees of the sizes the engine runs, and inside a prefill fed in pie
 ``layouts.row_invariant`` checks each linear layout alone; a format's whole forward also has its small operations,
 its attention and its prefill chunks, any of which can make a row's numbers depend on the rows beside it (seen on an
 Intel Xeon with AMX: torch's bf16 format passed every layout's check and gave other logits for prompts fed in 7- or
-32-token pieces). ``kernels.choose_plan`` runs ``check`` on each format's prepared model and offers only those that
+32-token pieces). ``chooser.choose_plan`` runs ``check`` on each format's prepared model and offers only those that
 pass; ``tests/test_invariance.py`` asks the same function, so the two cannot disagree.
 
 >>> differences({"alone": [torch.tensor([1.0, 2.0])], "tree of 2": [torch.tensor([1.0, 2.5])]})

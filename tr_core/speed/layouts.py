@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +37,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..cachefiles import write_atomically
-from . import pages
+from ..machine import cpu_name  # noqa: F401 (read here by the other modules of the room)
+from ..models import default_cache_dir
+from . import native
+from .fusion import stackable
+from .tiles import TILE, WeightTiles, weight_tiles  # noqa: F401 (offered here)
 
 # Row counts timed: one token (plain decoding) up to the largest shipped tree (the paper's, 81 nodes). A row count in
 # between takes the choice of the next timed count above it; more rows (a prefill) take the format's F.linear.
@@ -48,7 +52,7 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 TIE = 0.03
 # Formats whose whole-step scores lie within this fraction of the best one's are a close call on a shared machine (one
 # run here put bf16 products' one-token step at 10.7 ms against fp16 weights' 10.0, where four other readings gave
-# 7.7-9.9 against 8.0-10.0): ``kernels.whole_steps`` then times every format again, in ``CLOSE_ROUNDS`` rounds
+# 7.7-9.9 against 8.0-10.0): ``chooser.whole_steps`` then times every format again, in ``CLOSE_ROUNDS`` rounds
 CLOSE = 0.10
 CLOSE_ROUNDS = 6
 # bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
@@ -78,21 +82,10 @@ def cpu_has_native_bf16() -> bool:
 def source_digest(*modules) -> str:
     """A short digest of the modules' source: a cache keyed by it is measured again whenever that code changes, with
     no version to bump by hand."""
-    import inspect
     digest = hashlib.sha1()
     for module in modules:
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:10]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -106,67 +99,6 @@ def _linear_fp16(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 _fp16_op = None  # the C++ operator of fbgemm's fp16-weight linear, found on first use
-
-
-TILE = 32  # native.c's tr_linear_f16 and tr_linear_f32: the outputs of one tile
-
-
-@dataclass(frozen=True)
-class WeightTiles:
-    """A weight (out, in) as native.c's linear layers read it: fp16 (``tr_linear_f16``) or fp32 (``tr_linear_f32``),
-    in tiles of 32 outputs, each tile input by input (the 32 outputs' weights of input 0, then of input 1, ...; zeros
-    past ``out``), so the weights are read front to back; bf16 in pairs (``tr_linear_bf16``) or AMX tiles
-    (``tr_linear_amx``, ``amx``), as ``weight_tiles`` says."""
-    tiles: torch.Tensor  # (ceil(out / 32), in, 32), contiguous (other shapes for bf16: ``weight_tiles``)
-    out_features: int
-    in_features: int
-    amx: bool = False
-
-    @property
-    def kernel(self) -> torch.dtype | str:
-        """Which of native.c's linear layers reads these tiles (``native.LINEAR``'s key)."""
-        return "amx" if self.amx else self.tiles.dtype
-
-
-def weight_tiles(w: torch.Tensor, dtype: torch.dtype, amx: bool = False) -> WeightTiles:
-    """``w`` (out, in) packed for native.c's linear layer of ``dtype``: for bf16 (``tr_linear_bf16``) in tiles of 32
-    outputs by input pairs ((ceil(out / 32), ceil(in / 2), 32, 2): each output's weights of inputs 2p and 2p + 1 side
-    by side, zeros past ``out`` and ``in``); with ``amx``, bf16 for ``tr_linear_amx``: blocks of 32 outputs, each
-    holding for every run k of 32 inputs two AMX B tiles (outputs 0-15, then 16-31 of the block), a tile 16 rows of
-    input pairs by 16 outputs ((ceil(out / 32), ceil(in / 32), 2, 16, 16, 2): [b, k, half, p, o, j] is the weight of
-    output 32b + 16 half + o, input 32k + 2p + j; zeros past ``out`` and ``in``); else input by input.
-
-    >>> inputs = weight_tiles(torch.arange(33.).expand(40, 33), torch.bfloat16, amx=True).tiles  # w[o, i] = i
-    >>> outputs = weight_tiles(torch.arange(40.)[:, None].expand(40, 33), torch.bfloat16, amx=True).tiles  # = o
-    >>> tuple(inputs.shape), inputs[0, 0, 1, 3, 0].tolist(), inputs[0, 1, 0, 0, 5].tolist()
-    ((2, 2, 2, 16, 16, 2), [6.0, 7.0], [32.0, 0.0])
-    >>> outputs[1, 0, 0, 0, 2].tolist(), outputs[0, 0, 1, 0, 3].tolist(), outputs[1, 0, 1, 0, 0].tolist()
-    ([34.0, 34.0], [19.0, 19.0], [0.0, 0.0])
-    """
-    out, inp = w.shape
-    if amx:
-        runs, blocks = -(-inp // 32), -(-out // TILE)
-        padded = torch.zeros(blocks * TILE, runs * 32, dtype=torch.bfloat16)
-        padded[:out, :inp] = w
-        return WeightTiles(_placed(padded.view(blocks, 2, 16, runs, 16, 2).permute(0, 3, 1, 4, 2, 5)), out, inp,
-                           amx=True)
-    if dtype == torch.bfloat16:
-        pairs = -(-inp // 2)
-        padded = torch.zeros(-(-out // TILE) * TILE, 2 * pairs, dtype=dtype)
-        padded[:out, :inp] = w
-        return WeightTiles(_placed(padded.view(-1, TILE, pairs, 2).transpose(1, 2)), out, inp)
-    padded = torch.zeros(-(-out // TILE) * TILE, inp, dtype=dtype)
-    fp16 = torch.finfo(torch.float16).max  # as fbgemm's packing does: a weight beyond fp16's range saturates
-    padded[:out] = w.clamp(-fp16, fp16) if dtype == torch.float16 else w
-    return WeightTiles(_placed(padded.view(-1, TILE, inp).transpose(1, 2)), out, inp)
-
-
-def _placed(view: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``view`` made by ``pages.empty``: on 2 MB pages where a model's plan is being applied
-    (``kernels.apply_plan``) and the system offers them."""
-    out = pages.empty(tuple(view.shape), view.dtype)
-    out.copy_(view)
-    return out
 
 
 def _fp16_tiles(w: torch.Tensor) -> WeightTiles:
@@ -200,7 +132,6 @@ def _linear_native(x: torch.Tensor, packed: WeightTiles) -> torch.Tensor:
     # (row-invariant by construction; ``row_invariant`` checks it like any other layout's)
     tiles = packed.tiles
     if not _native_linear:
-        from . import native
         _native_linear.update({kind: native.linear(kind) for kind in native.LINEAR})
     run = _native_linear.get(packed.kernel)
     if run is None:
@@ -228,7 +159,6 @@ def _bare_call(name: str):
     ``y`` (what a call costs inside ``tr_layers``, without the Python around it); else None."""
     if name not in STACK_LAYOUTS.values() or name not in LAYOUTS:
         return None
-    from . import native
     fn = native.linear(TILE_KIND[LAYOUTS[name].fmt])
     if fn is None:
         return None
@@ -509,7 +439,7 @@ def pick_format(steps: Mapping[str, Mapping[int, float]], gain: Mapping[int, flo
     expected tokens per ms over the row counts (``speed_by_format``); without, by the geometric mean of the step
     times over the row counts up to ``FORMAT_MAX_ROWS``. Only formats timed at every row count that any format was
     timed at compete; a tie (within ``TIE``) goes to the format earlier in ``FORMATS``. ``choose_format`` picks on
-    the linear layers' step times, ``kernels.choose_plan`` on whole steps.
+    the linear layers' step times, ``chooser.choose_plan`` on whole steps.
 
     >>> pick_format({"fp16": {1: 10.0, 4: 14.0}, "bf16": {1: 33.0, 4: 34.0}})
     'fp16'
@@ -757,13 +687,13 @@ class KernelPlan:
     # the format's ``STACK_LAYOUTS`` layout that choice weighed: shape -> rows -> ms of one call inside that call
     stacked: bool = False
     inside: dict[str, dict[int, float]] = field(default_factory=dict)
-    # where the fast format was chosen on whole steps (``kernels.choose_plan``): format -> rows -> ms of a whole
+    # where the fast format was chosen on whole steps (``chooser.choose_plan``): format -> rows -> ms of a whole
     # model step (forward, output layer, top-k), each format's model prepared and timed here; else empty, and
     # ``whole_note`` says why the linear layers' times alone chose it
     whole_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     whole_note: str = ""
     # the formats whose whole prepared model gave a position other logits alone than in a tree or a prefill here
-    # (``kernels.invariant_plans``): format -> what differed; none of them is offered
+    # (``chooser.invariant_plans``): format -> what differed; none of them is offered
     dropped: dict[str, str] = field(default_factory=dict)
 
     def layout_for(self, shape: str, rows: int) -> str:
@@ -886,14 +816,12 @@ def cache_key(model: nn.Module, mode: str) -> str:
     shapes = "_".join(f"{s}x{len(ls)}" if s != HEAD else f"h{ls[0].out_features}"
                       for s, ls in sorted(linear_shapes(model).items()))
     dtype = str(model.get_output_embeddings().weight.dtype).removeprefix("torch.")
-    from . import native
     raw = (f"{source_digest(sys.modules[__name__])}-{native.tag()}-{name}-{shapes}-{dtype}-{mode}-{cpu_name()}"
            f"-t{torch.get_num_threads()}-torch{torch.__version__}")
     return "".join(c if c.isalnum() or c in "-._" else "_" for c in raw)[:240]
 
 
 def cache_path(model: nn.Module, mode: str) -> Path:
-    from ..models import default_cache_dir
     return default_cache_dir() / "kernels" / f"{cache_key(model, mode)}.json"
 
 
@@ -909,7 +837,7 @@ def format_plans(model: nn.Module, mode: str, use_cache_file: bool = True, remea
                  gain: Mapping[int, float] | None = None, **measure_kw) -> dict[str, KernelPlan]:
     """Per format the mode may run here, its plan (``make_plan``'s ``only``), from one set of timings
     (``plan_inputs``): first the format ``kernel_plan`` chooses on the linear layers' times, then every other format
-    that is as row-invariant as it and timed at every row count. ``kernels.choose_plan`` times their whole steps."""
+    that is as row-invariant as it and timed at every row count. ``chooser.choose_plan`` times their whole steps."""
     inputs = plan_inputs(model, mode, use_cache_file, remeasure, **measure_kw)
     first = make_plan(mode, gain=gain, **inputs)
     plans = {first.fmt: first}
@@ -932,7 +860,6 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     processes competed for the cores meanwhile (then used by this process, measured again by the next)."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
-    from .lean import stackable
     stack = stackable(model)
     path = cache_path(model, mode)
     if use_cache_file and not remeasure and path.is_file():

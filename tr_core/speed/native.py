@@ -21,12 +21,17 @@ import os
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from ..models import default_cache_dir
+from . import pages
+from .tiles import weight_tiles
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: no fused multiply-adds formed by the compiler (a loop's vector body and remainder must round
@@ -71,7 +76,6 @@ _SOURCE_TAG = "c" + hashlib.sha256((_SOURCE_TEXT + " ".join(FLAGS) + OPENMP).enc
 
 
 def cache_dir() -> Path:
-    from ..models import default_cache_dir
     return default_cache_dir() / "native"
 
 
@@ -232,8 +236,6 @@ def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
     >>> choose_fetch(lambda setting, rows: 8.0, pairs=3)
     (13, '6 rows 1.00x, 12 rows 1.00x')
     """
-    import statistics
-
     ratios = {}
     for setting, rows in FETCH_ROWS:
         pair = []
@@ -261,8 +263,6 @@ def _fetch_choice(library_path: Path) -> dict:
     set_rows, linear = _OPTIONAL_HERE["tr_fetch_from_rows"], _OPTIONAL_HERE.get("tr_linear_f32")
     if linear is None:
         return {"rows": NEVER, "why": "not measured: no fp32 linear layer here"}
-    from . import pages
-    from .layouts import weight_tiles
     inputs, outputs = 2048, 8192
     with pages.huge_pages():  # placed as a model's packed weights are (``kernels.apply_plan``)
         tiles = weight_tiles(torch.full((outputs, inputs), 0.5), torch.float32).tiles  # written: real pages
@@ -346,7 +346,6 @@ def _optional_check(name: str, fn) -> bool:
     if kind == "amx" and "tr_amx_ready" not in _OPTIONAL_HERE:  # checked before it (``OPTIONAL``'s order)
         return False  # the kernel did not grant the tile state: the first tile instruction would kill the process
     dtype = torch.bfloat16 if kind == "amx" else kind
-    from .layouts import weight_tiles
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 37, generator=g), torch.randn(7, 37, generator=g).to(dtype)
     y, tiles = torch.empty(6, 7, dtype=torch.float32), weight_tiles(w, dtype, amx=kind == "amx").tiles

@@ -63,11 +63,13 @@ from tqdm import tqdm
 from ..backend import add_device_arguments, device_name
 from ..decoding import DecodeResult
 from ..engine import Engine, EngineConfig
+from ..fixed.timing import rows_curve
 from ..methods import METHODS, NAMES
 from ..models import encode_prompt
+from ..modes import interpolate
 from ..sampling import Sampling
 from ..spec_bench import Question, load_questions, stratified
-from ..speed.calibrate import context_curve, context_weights, describe_context, interpolate
+from ..speed.calibrate import context_curve, context_weights, describe_context
 from ..speed.layouts import cpu_name
 from ..stats import BOOTSTRAP, MIN_QUESTIONS_FOR_VERDICT, SPEEDUP_DEFINITION, collector_paused, compare, median_round
 from ..stats import first_difference as first_difference_at
@@ -130,7 +132,6 @@ def step_curve(engine: Engine, context, remeasure: bool = False, use_cache_file:
     """t(N) of the engine's backend, measured now (``remeasure``) or read from the machine's cache: the native
     backend's ``calibrate.context_curve``, the torch backend's ``fixed.timing.rows_curve``."""
     if engine.backend_name == "torch":
-        from ..fixed.timing import rows_curve
         prefix = context if isinstance(context, int) else round(statistics.mean(context))
         return rows_curve(engine.model, prefix, sizes=sizes, use_cache_file=use_cache_file and not remeasure)
     extra = {} if sizes is None else {"sizes": sizes}
@@ -551,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ray is None:
             pool = LocalPool(lambda name: BenchWorker(options, payload, name, args.threads))
         else:
-            from .workers import RayPool
+            from .workers import RayPool  # Ray is optional: imported only for a run that asks for it
             # a worker on a GPU reserves one (Ray hides the GPUs from a worker that reserved none); auto: where the
             # cluster has GPUs
             gpus = 0 if args.device == "cpu" else 1 if args.device.startswith("cuda") else None

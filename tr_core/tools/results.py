@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..speed import interpolate
+from ..modes import interpolate
 from ..stats import compare, speedup
 
 

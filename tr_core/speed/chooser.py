@@ -1,0 +1,221 @@
+"""The kernel chooser: which kernels a model runs in a mode on this machine, by measurement. ``prepare_model`` puts
+the plan ``choose_plan`` picks into the model: among the formats the mode may run here (``layouts.format_plans``:
+each format's row-invariant layouts, timed per shape and row count), those whose whole prepared model passes the
+invariance check (``invariant_plans``), the one whose whole steps decode fastest (``whole_steps``), each verdict and
+timing cached per machine.
+
+It sits above the kernels (``kernels``: the chosen layers, the output layer, the plan's description), the check
+(``invariance``) and the step timing (``stepbench``), which it calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+
+import torch
+from torch import nn
+
+from ..assets import acceptance_stats
+from ..budget import expected_tokens
+from ..cachefiles import write_atomically
+from ..models import default_cache_dir, max_positions
+from ..modes import MODES
+from . import attention, invariance, layouts, lean, stepbench
+from . import kernels as kernels_module
+from .fusion import fuse, fused_shapes
+from .kernels import (
+    SHORT_NAMES,
+    KernelPlan,
+    apply_plan,
+    attention_invariant,
+    grouped_query_attention_in_sdpa,
+    plan_of,
+    trials,
+)
+
+
+def _fp32_cpu(model: nn.Module) -> bool:
+    weight = model.get_output_embeddings().weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def prepare_model(model: nn.Module, mode: str, plan: KernelPlan | None = None) -> KernelPlan | None:
+    """Put the model's linear layers and output layer on the kernels of ``mode`` (in place; idempotent): for an fp32
+    CPU model, the plan measured on this machine (``layouts.kernel_plan``: cached, else timed now), or ``plan``;
+    where it chose bf16 the model is converted to bf16. Other dtypes and devices keep torch's own kernels (returns
+    None). CPU models also get ``grouped_query_attention_in_sdpa``."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if model.get_output_embeddings().weight.device.type == "cpu":
+        grouped_query_attention_in_sdpa()
+    if plan_of(model) is not None:
+        return plan_of(model)
+    if not _fp32_cpu(model):
+        return None
+    if plan is None or fused_shapes(model) <= set(plan.layouts):  # a given plan may be for the unfused layers
+        fuse(model)  # q/k/v and gate/up as one layer each: their shapes are the ones measured and checked
+    own_weights(model)  # after the fusion, which has copied the projections it fused already
+    plan = plan or choose_plan(model, mode, gain=tree_gain(model))
+    apply_plan(model, plan)
+    return plan
+
+
+# Tree sizes a whole step is timed at to choose the format: plain decoding's one row and the trees the engine may run
+# (the paper's 81 nodes the largest); without the method's expected tokens, up to ``layouts.FORMAT_MAX_ROWS``.
+WHOLE_SIZES = (1, 2, 4, 8, 16, 32, 81)
+
+
+def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False
+                ) -> KernelPlan:
+    """The plan ``prepare_model`` puts into ``model`` (fp32, fused, not yet prepared) in ``mode``: among the formats
+    the mode may run here (``layouts.format_plans``), the one whose *whole* steps decode fastest (``layouts.
+    pick_format`` on ``whole_steps``), each format's plan put into a copy of the model and timed here; the linear
+    layers' times alone cannot see the rest of a step, which differs between formats (seen on this project's AVX-512
+    machine: bf16 won on the linear layers, 0.150 expected tokens per ms against fp16's 0.140, and its whole one-token
+    step took 32.8 ms against fp16's ~10, as only the fp32-activation formats run the small operations in C). Where
+    there is one format, or no memory for the copies, the linear layers' choice, and the plan says why.
+    ``remeasure``: time the layouts and the whole steps again."""
+    plans = layouts.format_plans(model, mode, gain=gain, remeasure=remeasure)
+    plans = invariant_plans(model, plans, remeasure=remeasure)
+    first = next(iter(plans.values()))
+    if len(plans) < 2:
+        return first
+    sizes = WHOLE_SIZES if gain else tuple(n for n in WHOLE_SIZES if n <= layouts.FORMAT_MAX_ROWS)
+    whole, why, retimed = whole_steps(model, plans, sizes, cache=first.source != layouts.BUSY_SOURCE,
+                                      remeasure=remeasure, gain=gain)
+    if whole is None:
+        first.whole_note = why
+        return first
+    plan = plans[layouts.pick_format(whole, gain)]
+    plan.whole_ms = whole
+    if retimed:
+        plan.whole_note = (f"a close call between {' and '.join(SHORT_NAMES[f] for f in retimed)} (within "
+                           f"{layouts.CLOSE:.0%} in the first rounds): every format timed again in "
+                           f"{layouts.CLOSE_ROUNDS} rounds")
+    plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
+    return plan
+
+
+def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: bool = False
+                    ) -> dict[str, KernelPlan]:
+    """The plans of ``plans`` (format -> plan, ``layouts.format_plans``) whose whole prepared model is batch-invariant
+    here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), each
+    holding the formats left out with what differed (``KernelPlan.dropped``). Each format's plan is put into a copy
+    of ``model`` in turn and checked (seconds each), the verdicts cached per machine, model, mode, plans and the
+    forward's code (``remeasure``: not read). A plan whose layouts are not row-invariant already (``plan.invariant``
+    false), or whose model does not run the batch-invariant attention, is kept unchecked: its description says so.
+    Where no format passes, every plan is kept, each marked not invariant with why (the exact mode has only fp32)."""
+    mode = next(iter(plans.values())).mode
+    key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()),
+                    layouts.source_digest(invariance, lean, attention, kernels_module, sys.modules[__name__])])
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
+    path = default_cache_dir() / "kernels" / f"invariant-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    verdicts: dict[str, str | None] = {}
+    if path.is_file() and not remeasure:
+        verdicts = json.loads(path.read_text())
+    known = dict(verdicts)
+    with trials(mode):  # what the mode runs here is said by the models it prepares, not by these trials
+        for fmt, plan in plans.items():
+            if fmt in verdicts or not plan.invariant:
+                continue
+            trial = copy.deepcopy(model)
+            apply_plan(trial, plan)
+            # None: not checked, where the attention is not the batch-invariant one (the description says so) or
+            # the model takes fewer positions than the check
+            room = max_positions(model) or invariance.probe_ids(1).numel()
+            checkable = attention_invariant(trial) and room >= invariance.probe_ids(1).numel()
+            verdicts[fmt] = invariance.verdict(invariance.check(trial)) if checkable else None
+            del trial
+    if verdicts != known:  # written where something was checked now
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(verdicts, indent=1))
+    dropped = {fmt: why for fmt, why in verdicts.items() if why and fmt in plans}
+    kept = {fmt: plan for fmt, plan in plans.items() if fmt not in dropped}
+    if not kept:  # none passes: the plans as they were, each saying so
+        for plan in plans.values():
+            plan.invariant = False
+        kept = plans
+    for plan in kept.values():
+        plan.dropped = dict(dropped)
+    return kept
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (bytes), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int, ...], cache: bool = True,
+                remeasure: bool = False, gain: dict[int, float] | None = None
+                ) -> tuple[dict[str, dict[int, float]] | None, str, list[str]]:
+    """Per format of ``plans``, t(N) of a whole step at ``sizes`` (``stepbench.whole_steps_ms``: the forward, the
+    output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
+    (all copies held at once, and timed in turn round by round). Where two or more formats come out within
+    ``layouts.CLOSE`` of the best (``layouts.close_formats``, scored with ``gain`` as ``pick_format`` scores them),
+    every format is timed again in ``layouts.CLOSE_ROUNDS`` rounds, and that reading is the result. Cached per
+    machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not written where other
+    processes competed for the cores. Returns (steps, how they were obtained, the close formats that made it time
+    again), or (None, why, []) where the copies would not fit in the memory available."""
+    mode = next(iter(plans.values())).mode
+    key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
+                    layouts.source_digest(stepbench), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}-all"])
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
+    path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    if path.is_file() and not remeasure:
+        data = json.loads(path.read_text())
+        retimed, data = (data["retimed"], data["steps"]) if "steps" in data else ([], data)  # earlier files: steps
+        return {fmt: {int(n): ms for n, ms in by.items()} for fmt, by in data.items()}, "cached", retimed
+    need = (len(plans) + 1) * sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        return None, (f"chosen on the linear layers' times alone: timing each format's whole step needs "
+                      f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available"), []
+    copies = {}
+    try:
+        with trials(mode):  # what the mode runs here is said by the models it prepares, not by these trials
+            for fmt, plan in plans.items():
+                copies[fmt] = copy.deepcopy(model)
+                apply_plan(copies[fmt], plan)
+            steps, busy = stepbench.whole_steps_ms(copies, sizes)
+            retimed = layouts.close_formats(steps, gain)
+            if retimed:  # every format again, so that all are compared on one reading: this machine's memory may
+                # run at half the speed a minute later (the close ones alone, timed again, once lost to fp32's first
+                # reading)
+                steps, busy_again = stepbench.whole_steps_ms(copies, sizes, repeats=layouts.CLOSE_ROUNDS)
+                busy = busy or busy_again
+    finally:
+        copies.clear()
+    if cache and not busy:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps({"steps": steps, "retimed": retimed}, indent=1))
+    return steps, layouts.BUSY_SOURCE if busy else "measured here", retimed
+
+
+def own_weights(model: nn.Module) -> None:
+    """Give every parameter of ``model`` memory of its own (a copy; ties kept: each shared parameter is copied
+    once). transformers reads safetensors weights as views of the file mapped into memory, and pages of it that were
+    read stay in the process's RSS for as long as any one weight lives there; ``prepare_model`` then replaces most
+    weights (the fused projections, the fp16 format's packed copies), so the mapped originals were kept twice over:
+    measured here, a process holding the embedded model in both modes took 2.61 GB with the mapping kept, 1.95 GB
+    with every weight copied first (the app's own figures: docs/app.md, "Memory over time")."""
+    with torch.no_grad():
+        for param in model.parameters():  # each shared (tied) parameter once
+            param.data = param.data.clone()
+
+
+def tree_gain(model: nn.Module) -> dict[int, float] | None:
+    """The tokens a Token Recycling step is expected to add with a tree of N nodes, for every N (the model's shipped
+    acceptance statistics, ``budget.expected_tokens``); None for a model without them. The fast format is chosen for
+    the decoding speed it gives with these (``layouts.choose_format``)."""
+    stats = acceptance_stats(model)
+    return expected_tokens(stats["acceptance"]) if stats else None
