@@ -14,7 +14,8 @@ PACKAGES = ("tr_core", "visualize", "ui")
 
 # Modules known to carry worked examples: if their examples stopped being collected (a docstring turned into prose,
 # the finder pointed at the wrong objects), every module would pass trivially and nothing would say so.
-WITH_EXAMPLES = ("tr_core.assets", "tr_core.drafters", "tr_core.events", "tr_core.tree", "ui.inputs")
+WITH_EXAMPLES = ("tr_core.assets", "tr_core.drafters", "tr_core.events", "tr_core.recycling", "tr_core.tree",
+                 "ui.inputs")
 
 
 def module_names() -> list[str]:

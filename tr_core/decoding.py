@@ -12,7 +12,8 @@ The KV cache always holds every token but the last one, the *root*. Each step:
    the forward's time, from which a tree budget learns step times);
 5. an event is yielded. The bonus token becomes the next root.
 
-In code: ``prefill`` (the prompt into the cache), ``verify_step`` (steps 1-4), ``stop_rule`` (EOS, budget, context),
+In code: ``prefill`` (the prompt into the cache), ``verify_step`` (steps 1-4: the paper's ``verify`` and ``accept``,
+``recycling.py``, between the drafter's ``propose`` and ``learn``), ``stop_rule`` (EOS, budget, context),
 ``step_event`` (step 5's event), and ``decode``, the loop over them.
 """
 
@@ -29,6 +30,7 @@ from .backend import Backend, Run, make_backend
 from .drafters import Drafter, OnHost, Outcome
 from .events import Rates, RowUpdate, StepEvent
 from .models import max_positions
+from .recycling import accept, verify
 from .sampling import Sampler, Sampling, draft_probabilities
 from .text import TokenText
 from .topk import greedy_and_top_k, top_k
@@ -49,26 +51,6 @@ class DecodeResult:
     @property
     def rates(self) -> Rates:
         return Rates(len(self.token_ids), self.steps, self.elapsed_s)
-
-
-def accept(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
-    """Node indices of the accepted path, root first: the longest root-to-leaf path whose every node's token equals
-    the model's choice at its parent (greedy or sampled) (the first such path in the template's leaf order on a tie).
-
-    ``tokens``, ``predicted``: (n,); returns (a + 1,) where a = accepted draft tokens.
-    """
-    if tree.size == 1:
-        return tree.paths.new_zeros(1)
-    # over Python lists: a tree of a few nodes is checked in microseconds, where tensor ops cost ~10 us each
-    toks, pred = tokens.tolist(), predicted.tolist()
-    best, best_len = (0,), 0
-    for path in tree.path_lists:
-        n = 1
-        while n < len(path) and toks[path[n]] == pred[path[n - 1]]:
-            n += 1
-        if n > best_len:  # strictly longer: the first path in leaf order wins a tie
-            best, best_len = path, n
-    return torch.tensor(best[:best_len], dtype=torch.long, device=tree.paths.device)
 
 
 def accept_on_device(tokens: torch.Tensor, predicted: torch.Tensor, tree: TreeBuffers) -> torch.Tensor:
@@ -246,7 +228,7 @@ def verify_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: int 
     positions = past_len + tree.depth.to(device)
     _sync(device)
     t1 = time.perf_counter()
-    logits = run.verify(tokens, tree, past_len)
+    logits = verify(run, tokens, tree, past_len)
     predicted, top, draft_probs = choose(logits, drafter.needs.top_k, sampler, positions + 1, tokens, tree,
                                          getattr(run, "logits", None))
     _sync(device)
@@ -299,7 +281,7 @@ def resident_step(run: Run, context: torch.Tensor, drafter: Drafter, max_pos: in
     on_device = tree.on(device)
     clock = StepClock(device)
     clock.start()
-    logits = run.verify(tokens, on_device, past_len)
+    logits = verify(run, tokens, on_device, past_len)
     k = drafter.needs.top_k
     positions = past_len + 1 + tree.depth  # on the host: the sampler's noise is looked up by position
     predicted, top, probs = choose(logits, k, sampler, positions, tokens, on_device, getattr(run, "logits", None),

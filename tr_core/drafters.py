@@ -21,7 +21,8 @@ import torch
 
 from .budget import TreeBudget
 from .events import RowUpdate
-from .matrix import AdjacencyMatrix, winners
+from .matrix import AdjacencyMatrix
+from .recycling import winners
 from .tree import Path_, TreeBuffers, build_tree, chain_tree
 
 
@@ -162,8 +163,8 @@ class PromptLookupDrafter(PlainDrafter):
 
 
 class RecyclingDrafter(PlainDrafter):
-    """Token Recycling: retrieve a draft tree from the adjacency matrix, then overwrite the rows of every tree
-    token (accepted and rejected, root included) with the top-k of that node's output distribution; with
+    """Token Recycling (``recycling.py``): retrieve a draft tree from the adjacency matrix, then overwrite the rows of
+    every tree token (accepted and rejected, root included) with the top-k of that node's output distribution; with
     ``seed_from_prompt``, first the rows of the prompt's tokens from the prefill's. ``needs.top_k`` is the matrix's
     k. A matrix that keeps probabilities gets them written beside the ids."""
 

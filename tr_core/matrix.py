@@ -1,8 +1,8 @@
 """The adjacency matrix M (|V| x k, int32): for every token, the top-k next tokens predicted after it most recently.
 
-Retrieval grows a draft tree from M by BFS over a template, one gather per depth level. Updating overwrites the
-rows of every tree token with the top-k of that node's new output distribution. Fresh matrices are all zeros
-(cold start); a saved matrix can be loaded to start hot.
+Its storage and bookkeeping: the paper's retrieval and update themselves are ``recycling.retrieve`` and
+``recycling.update`` (read ``recycling.py`` first). Fresh matrices are all zeros (cold start); a saved matrix can be
+loaded to start hot (``save``, ``load``); a request's change is a ``MatrixDelta``.
 
 A matrix may also keep, beside each row's k ids, their k probabilities (``probs``, float16), from which the
 dynamic drafter (``dynamic.py``) grows its tree best-first. The paper's method never needs them. A row's
@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import recycling
+from .recycling import winners  # noqa: F401 (offered here too)
 from .tree import TreeBuffers
 
 # How many rows the default prior counts for in the running mean of probabilities: one, so real rows soon outweigh it
@@ -65,19 +67,6 @@ class MatrixDelta:
         m.rows[index] = torch.from_numpy(self.rows).to(m.rows.device)
         m.prob_sums, m.prob_count = list(self.prob_sums), self.prob_count
         return m
-
-
-def winners(tokens: list[int], priority: list[int] | None = None) -> dict[int, int]:
-    """Each distinct token's node whose row ``update`` writes: its last occurrence, or its last occurrence among the
-    nodes of ``priority`` (the accepted path), which are written last. In order of first occurrence.
-
-    >>> winners([5, 6, 5, 6]), winners([5, 6, 5, 6], priority=[0, 1])
-    ({5: 2, 6: 3}, {5: 0, 6: 1})
-    """
-    winner = {t: i for i, t in enumerate(tokens)}
-    for i in priority or ():
-        winner[tokens[i]] = i
-    return winner
 
 
 class AdjacencyMatrix:
@@ -186,27 +175,11 @@ class AdjacencyMatrix:
         self.prob_count += probs.shape[0]
 
     def retrieve(self, root: int, tree: TreeBuffers) -> torch.Tensor:
-        """Draft tokens for every node of ``tree`` (BFS order, ``tokens[0] = root``), shape ``(tree.size,)`` int64.
-
-        Node ``i`` at depth ``d`` gets ``rows[tokens[parent[i]], rank[i]]``: one gather per depth level.
-        """
+        """Draft tokens for every node of ``tree`` (BFS order, ``tokens[0] = root``), shape ``(tree.size,)`` int64:
+        the paper's retrieval, ``recycling.retrieve``."""
         if tree.max_rank >= self.k:
             raise ValueError(f"tree {tree.name!r} uses rank {tree.max_rank} but the matrix keeps only k={self.k}")
-        if self.on_host():  # numpy's indexing of a few dozen ids costs ~1 us where torch's costs ~10
-            rows, parents, ranks = self.rows.numpy(), tree.parent_list, tree.rank_list
-            found = np.empty(tree.size, dtype=np.int64)
-            found[0] = root
-            for start, stop in tree.levels:
-                found[start:stop] = rows[found[parents[start:stop]], ranks[start:stop]]
-            return torch.from_numpy(found)
-        tree = tree.on(self.rows.device)
-        tokens = torch.empty(tree.size, dtype=torch.long, device=self.rows.device)
-        tokens[0] = root
-        flat = self.rows.view(-1)
-        for start, stop in tree.levels:
-            parent_tokens = tokens[tree.parents[start:stop]]
-            tokens[start:stop] = flat[parent_tokens * self.k + tree.ranks[start:stop]]
-        return tokens
+        return recycling.retrieve(self.rows, root, tree, self.on_host())
 
     def on_host(self) -> bool:
         """Whether the matrix is in the host's memory (numpy reads it for free); elsewhere (a GPU) it is read and
@@ -247,14 +220,15 @@ class AdjacencyMatrix:
             new_probs = probs[:, :self.k].to(torch.float16)
             self._count(probs[:, :self.k])
         toks = tokens.tolist() if token_list is None else token_list
-        winner = winners(toks, priority.tolist() if isinstance(priority, torch.Tensor) else priority)
-        ids, nodes = list(winner), list(winner.values())
-        targets = [(self.rows, new_rows)] + ([] if new_probs is None else [(self.probs, new_probs)])
-        for table, values in targets:  # distinct ids: one write each, in no particular order
+        ids, nodes = recycling.update(self.rows, toks, new_rows,
+                                      priority.tolist() if isinstance(priority, torch.Tensor) else priority,
+                                      self.on_host())
+        if new_probs is not None:  # beside the ids (the methods beyond the paper read them), by the same rule
             if self.on_host():
-                table.numpy()[ids] = values.numpy()[nodes]
+                self.probs.numpy()[ids] = new_probs.numpy()[nodes]
             else:
-                table[torch.tensor(ids, device=table.device)] = values[torch.tensor(nodes, device=table.device)]
+                self.probs[torch.tensor(ids, device=self.probs.device)] = new_probs[
+                    torch.tensor(nodes, device=self.probs.device)]
         return new_rows
 
     def seed(self, token_ids: torch.Tensor, top: torch.Tensor, probs: torch.Tensor | None = None) -> None:
