@@ -53,6 +53,21 @@ def _on_this_machine(host) -> bool:
         return False
 
 
+THREADS = torch.get_num_threads()  # the session's, as torch chose it at start
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_kept():
+    """Every test, and every fixture it used, leaves torch's thread count as the session started with it: one left at
+    1 thread (a module's fixture ran a benchmark in the process with --threads 1) ran every later test of the suite on
+    one core and measured every kernel plan and t(N) again."""
+    yield
+    now = torch.get_num_threads()
+    if now != THREADS:
+        torch.set_num_threads(THREADS)
+        pytest.fail(f"torch's thread count was left at {now} (the session's is {THREADS})")
+
+
 @pytest.fixture(scope="module")
 def no_outside_network():
     """While a module's tests run, every connection and name lookup of this process (the launched app's included)
@@ -113,6 +128,16 @@ def embedded():
     from tr_core.models import load_model
 
     return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def app_models():
+    """One model cache for every launched app and every app-level test of the session: the embedded model loads, and
+    its kernels and t(N) are measured, once per mode (a fixture imported into several modules would be made once per
+    module)."""
+    from ui.models import ModelCache
+
+    return ModelCache()
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

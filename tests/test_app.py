@@ -780,12 +780,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def app_models():
-    """One model cache for every launched app of the test session: the embedded model loads once."""
-    return ModelCache()
-
-
 @pytest.fixture(scope="module")
 def served(app_models):
     app.preload(app_models)  # as `python app.py` does at start: the first Run then only decodes

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from test_app import app_models, served  # noqa: F401  (fixtures: the launched app on the embedded model)
+from test_app import served  # noqa: F401  (fixture: the launched app on the embedded model)
 
 from tr_core.spec_bench import load_questions, stratified
 from ui.settings import DEFAULT_RACE, method_choices

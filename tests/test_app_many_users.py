@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from safetensors.torch import load_file
-from test_app import app_models, free_port, served, visible_text  # noqa: F401  (fixtures)
+from test_app import free_port, served, visible_text  # noqa: F401  (fixture)
 
 import app
 from tr_core.assets import HOT_START_DIR
@@ -411,7 +411,7 @@ def test_only_a_copy_that_differs_by_value_alone_is_taken_for_the_pages_componen
     assert not _same_but_value(gr.Textbox(render=False), page)
 
 
-def test_a_page_load_copies_the_pages_config_and_not_the_apps_models(app_models):  # noqa: F811
+def test_a_page_load_copies_the_pages_config_and_not_the_apps_models(app_models):
     """gradio deep-copies the page's config at every page load (``GET /config``), and the session ``gr.State``'s
     delete callback is in it. As a bound method of the app's handlers it made each page load copy the model cache
     and the loaded models' weights, fail on a lock and start again part by part: 8-12 s a page load measured, over
@@ -436,7 +436,7 @@ def test_the_app_limits_glibcs_malloc_arenas_before_its_threads_start():
     assert body.index("limit_malloc_arenas()") < body.index("ModelCache()") < body.index("launch(")
 
 
-def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_expires(app_models):  # noqa: F811
+def test_a_sessions_state_stays_the_same_size_run_after_run_and_goes_when_it_expires(app_models):
     """gradio files a session's copies of the outputs a run updated under new ids (``ui.gradio_fix``); without the
     fix, every Live run added 9 entries to its session's state, for good. A closed session's state goes whole when
     it expires."""
@@ -539,7 +539,7 @@ def test_local_folders_load_only_where_the_app_was_started_to_allow_them(served,
         demo.close()
 
 
-def test_a_full_queue_refuses_at_once_stop_still_works_and_the_app_keeps_serving(app_models):  # noqa: F811
+def test_a_full_queue_refuses_at_once_stop_still_works_and_the_app_keeps_serving(app_models):
     demo = app.build_app(app_models)
     _, url, _ = app.launch(demo, queue_max_size=2, server_name="127.0.0.1", server_port=free_port(),
                            prevent_thread_lock=True, quiet=True)

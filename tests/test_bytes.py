@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_app import app_models, settings  # noqa: F401  (fixture: the embedded model, loaded once)
+from test_app import settings
 
 from tr_core.text import TokenText, shown_piece, token_bytes
 from ui.frames import live_frame
@@ -17,7 +17,7 @@ EMOJI_PROMPT = "Reply with three emoji only, like this: 🚲🚲🚲"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(app_models):  # noqa: F811
+def tokenizer(app_models):
     return app_models.get("").tokenizer
 
 
@@ -34,7 +34,7 @@ def test_the_embedded_tokenizers_byte_tokens_show_as_their_bytes(tokenizer):
         [tokenizer.decode([t]) for t in whole]  # whole text: unchanged
 
 
-def test_no_figure_of_an_emoji_prompts_run_holds_the_replacement_character(app_models):  # noqa: F811
+def test_no_figure_of_an_emoji_prompts_run_holds_the_replacement_character(app_models):
     session = Session()
     run = LiveRun(session, app_models, settings(max_new_tokens=24, prompt=EMOJI_PROMPT))
     run.prepare()

@@ -4,7 +4,7 @@ for a method that does not draft with it."""
 
 from __future__ import annotations
 
-from test_app import app_models, settings  # noqa: F401  (fixture: the embedded model, loaded once)
+from test_app import settings
 
 from ui.frames import live_frame
 from ui.run import LiveRun
@@ -24,7 +24,7 @@ def node_symbols(figure) -> list[str]:
     return out
 
 
-def test_nodes_copied_from_the_context_are_drawn_as_diamonds(app_models):  # noqa: F811
+def test_nodes_copied_from_the_context_are_drawn_as_diamonds(app_models):
     session = Session()
     run = LiveRun(session, app_models, settings(max_new_tokens=32, prompt=REPEATING, method="tr-context"))
     run.prepare()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from .run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,10 +48,16 @@ class WorkerLost(Exception):
 
 
 class LocalPool:
-    """One worker, in this process: a run without ``--ray``."""
+    """One worker, in this process: a run without ``--ray``. The worker may set torch's thread count (``--threads``);
+    ``close`` sets the process's back, so a benchmark called from other code (a test) leaves it as it found it."""
 
     def __init__(self, make_worker: Callable[[str], object]):
-        self.worker = make_worker("w0")
+        self._threads = torch.get_num_threads()
+        try:
+            self.worker = make_worker("w0")
+        except BaseException:
+            self.close()
+            raise
         self.workers = ["w0"]
         self._done: dict[int, object] = {}
 
@@ -69,7 +77,7 @@ class LocalPool:
         return [self.worker.finish()]
 
     def close(self) -> None:
-        pass
+        torch.set_num_threads(self._threads)
 
 
 class RayPool:
