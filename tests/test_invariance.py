@@ -39,10 +39,10 @@ def ids(embedded):
 
 
 def _prepared(embedded, mode: str):
-    """A copy of the embedded model on ``mode``'s kernels chosen here."""
+    """A copy of the embedded model on ``mode``'s kernels chosen here, as the engine prepares it (``prepare_model``:
+    the projections fused, the chooser's plan: what decoding runs, and measured once a machine)."""
     model = copy.deepcopy(embedded[0])
-    plan = kernel_plan(model, mode)
-    prepare_model(model, mode, plan)
+    plan = prepare_model(model, mode)
     return model, plan
 
 
@@ -84,7 +84,7 @@ def test_each_format_the_fast_mode_may_pick_here_is_row_invariant_or_never_offer
         assert chosen.fmt != fmt
         pytest.skip(f"{fmt}: not as row-invariant here as the other formats' layouts: never a candidate")
     plan = plans[fmt]
-    if plan.layouts == kernel_plan(embedded[0], "exact").layouts:
+    if plan.layouts == kernel_plan(model, "exact").layouts:
         pytest.skip(f"{fmt}: the exact mode's kernels, layer for layer (checked by the test above in exact mode)")
     prepare_model(model, "fast", plan)
     assert kernels.plan_of(model).fmt == fmt
