@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import recycling
-from .recycling import winners  # noqa: F401 (offered here too)
 from .tree import TreeBuffers
 
 # How many rows the default prior counts for in the running mean of probabilities: one, so real rows soon outweigh it
