@@ -223,11 +223,7 @@ class AdjacencyMatrix:
                                       priority.tolist() if isinstance(priority, torch.Tensor) else priority,
                                       self.on_host())
         if new_probs is not None:  # beside the ids (the methods beyond the paper read them), by the same rule
-            if self.on_host():
-                self.probs.numpy()[ids] = new_probs.numpy()[nodes]
-            else:
-                self.probs[torch.tensor(ids, device=self.probs.device)] = new_probs[
-                    torch.tensor(nodes, device=self.probs.device)]
+            recycling.write_rows(self.probs, ids, new_probs, nodes, self.on_host())
         return new_rows
 
     def seed(self, token_ids: torch.Tensor, top: torch.Tensor, probs: torch.Tensor | None = None) -> None:

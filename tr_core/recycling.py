@@ -131,12 +131,17 @@ def update(rows: torch.Tensor, tokens: list[int], top: torch.Tensor, priority: l
     >>> M.tolist()
     [[0, 0], [2, 3], [3, 0], [0, 0]]
     """
-    k = rows.shape[1]
     winner = winners(tokens, priority)
     ids, nodes = list(winner), list(winner.values())
-    new = top[:, :k].to(rows.dtype)
-    if rows.device.type == "cpu" if host is None else host:
-        rows.numpy()[ids] = new.numpy()[nodes]
-    else:  # distinct ids: one write each, in no particular order
-        rows[torch.tensor(ids, device=rows.device)] = new[torch.tensor(nodes, device=rows.device)]
+    write_rows(rows, ids, top[:, :rows.shape[1]].to(rows.dtype), nodes, host)
     return ids, nodes
+
+
+def write_rows(table: torch.Tensor, ids: list[int], values: torch.Tensor, nodes: list[int],
+               host: bool | None = None) -> None:
+    """``table[ids[i]] = values[nodes[i]]`` for distinct ``ids``: one write each, in no particular order (``host`` as
+    in ``retrieve``)."""
+    if table.device.type == "cpu" if host is None else host:
+        table.numpy()[ids] = values.numpy()[nodes]
+    else:
+        table[torch.tensor(ids, device=table.device)] = values[torch.tensor(nodes, device=table.device)]

@@ -182,8 +182,8 @@ class TorchBackend:
         self.rows = 1 if rows_ == 1 else round_up(rows_ or default_rows(self.device), TILE)
         self.capture = graph.can_capture(self.device) if capture is None else capture
         rows.use_for(model)
-        head = model.get_output_embeddings()
-        self.weight, self.bias = head.weight, getattr(head, "bias", None)
+        layer = OutputLayer(model)
+        self.weight, self.bias = layer.weight, layer.bias
 
     def start(self, prompt_len: int, max_new_tokens: int) -> FixedRun:
         # the same slots for every method of one prompt and length: plain decoding's shapes are a tree's
