@@ -147,35 +147,41 @@ def test_native_attention_equals_the_torch_one_and_sdpa(past, n, tree, kind):
 
 
 @needs_compiler
-@pytest.mark.parametrize("past", [64, 200, 1100])
-def test_native_attention_gives_a_row_the_same_bits_whatever_rows_share_its_call(past):
+@pytest.mark.parametrize("call", ["tr_attend", "tr_attend_amx"])
+@pytest.mark.parametrize("past", [5, 64, 200, 1100])
+def test_native_attention_gives_a_row_the_same_bits_whatever_rows_share_its_call(past, call):
     """``tr_attend`` attends up to 8 query rows of a kv head together (each key read once for them) and splits the
     rows among threads by the call's size: a row's output must not depend on either. The first k nodes of a tree
     (breadth-first: ancestors first) are a tree of their own, so each is computed in calls of 1 to 40 rows and on 1
-    or 2 threads, and must come out bit-equal."""
+    or 2 threads, and must come out bit-equal. So must ``tr_attend_amx`` (the keys before the window on AMX tiles, 16
+    rows a tile; the amx format's), which is within bf16's rounding of SDPA."""
     lib = library_here()
+    attend = lib.tr_attend if call == "tr_attend" else native.attention_on_tiles()
+    if attend is None:
+        pytest.skip("attention on AMX tiles needs a CPU with amx_tile and amx_bf16, and the kernel's grant")
     g = torch.Generator().manual_seed(past)
     heads, kv_heads, dim, n = 9, 3, 64, 40
     keys, values = torch.randn(kv_heads, past + n, dim, generator=g), torch.randn(kv_heads, past + n, dim, generator=g)
     q = torch.randn(n, heads, dim, generator=g)
     positions, visible = _tree_rows(past, n, g)
     outs = {}
-    for count in (1, 2, 5, 13, 40):
+    for count in (1, 2, 5, 13, 17, 40):
         rows = attention.row_keys(past, positions[:count], visible[:count, :count], heads // kv_heads)
         for threads in (1, 2):
             buffers = attention.scratch_for(rows, kv_heads, count, 3, dim, 3 * count, "cpu")
             torch.mul(q[:count].view(count, kv_heads, 3, dim).transpose(0, 1), 0.125, out=buffers.step_queries)
             out = torch.empty(count, heads * dim)
-            lib.tr_attend(buffers.queries.data_ptr(), 3 * count, keys.data_ptr(), values.data_ptr(), keys.stride(0),
-                          rows.start, rows.index.data_ptr(), rows.valid.data_ptr(), count, 3, kv_heads, dim,
-                          out.data_ptr(), threads)
+            attend(buffers.queries.data_ptr(), 3 * count, keys.data_ptr(), values.data_ptr(), keys.stride(0),
+                   rows.start, rows.index.data_ptr(), rows.valid.data_ptr(), count, 3, kv_heads, dim, out.data_ptr(),
+                   threads)
             outs[count, threads] = out
     whole = outs[40, 2]
     for (count, threads), out in outs.items():
         assert torch.equal(out, whole[:count]), (count, threads)
     reference = attention.reference(q.transpose(0, 1)[None] * 1.0, keys[None], values[None], attention.row_keys(
         past, positions, visible, 3), 0.125)[0]
-    torch.testing.assert_close(whole, reference, rtol=1e-5, atol=1e-6)
+    tolerance = (1e-5, 1e-6) if call == "tr_attend" else (3e-2, 2e-2)
+    torch.testing.assert_close(whole, reference, rtol=tolerance[0], atol=tolerance[1])
 
 
 @pytest.mark.parametrize("use_native", [True, False])
@@ -362,6 +368,62 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
         slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
                                    inside={(s, r, name): 0.9 for s in counts for r in (1, 2, 4)})
         assert not slower.stacked and slower.layouts[next(iter(counts))][1] == other
+
+
+@needs_compiler
+@torch.inference_mode()
+def test_the_amx_format_attends_on_tiles_kept_with_the_cache_as_on_tiles_laid_afresh(monkeypatch):
+    """In the amx format attention runs on AMX tiles, in ``tr_layers`` on tiles kept with the cache (laid once per
+    64 positions: ``kv.tiles_for``) and call by call on tiles laid afresh: the same bits through prefill chunks,
+    plain steps across windows, a tree, and a crop below the tiles laid followed by other tokens (the tiles of the
+    cut positions laid again), and other bits than fp32 attention's (so the tiles did run)."""
+    from transformers import LlamaConfig, AutoModelForCausalLM
+    from tr_core.speed import layouts
+    library_here()
+    if "amxn" not in layouts.available_layouts() or native.attention_on_tiles() is None:
+        pytest.skip("attention on AMX tiles needs a CPU with amx_tile and amx_bf16, and the kernel's grant")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert lean.fuse(model) and lean.stackable(model)
+    counts = {s: len(ls) for s, ls in layouts.linear_shapes(model).items()}
+    timings = {(s, r, "amxn"): 1.0 for s in counts for r in (1, 2, 4)}
+    plan = layouts.make_plan("fast", timings, counts, ("amxn",), invariant={s: ["amxn"] for s in counts},
+                             inside={(s, r, "amxn"): 0.5 for s in counts for r in (1, 2, 4)})
+    prepare_model(model, "fast", plan)
+    forward = body(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (1, 300), generator=g)
+    other = torch.randint(0, 64, (1, 300), generator=g)
+
+    def run(stacked: bool):
+        monkeypatch.setattr(lean.LeanLlama, "stacked", stacked)
+        cache = new_cache(model.config, 320, torch.float32)  # one store: tr_layers keeps the tiles with it
+        out = [forward(input_ids=ids[:, a:a + 64], cache=cache).last_hidden_state for a in (0, 64)]
+        out += [forward(input_ids=ids[:, p:p + 1], cache=cache).last_hidden_state for p in range(128, 200)]
+        tree = torch.full((1, 1, 3, 203), float("-inf"))  # a root at 200 and its two children at 201
+        tree[..., :200] = 0
+        for node, seen in enumerate(([0], [0, 1], [0, 2])):
+            tree[0, 0, node, [200 + s for s in seen]] = 0
+        out.append(forward(input_ids=ids[:, 200:203], position_ids=torch.tensor([[200, 201, 201]]),
+                           attention_mask=tree, cache=cache).last_hidden_state)
+        cache.crop(150 - cache.get_seq_length())  # below the tiles laid up to 192: those of 128..191 must be laid again from other keys
+        out += [forward(input_ids=other[:, p:p + 1], cache=cache).last_hidden_state for p in range(150, 270)]
+        return out, getattr(cache, "kv_tiles", None)
+
+    kept, tiles = run(True)
+    assert tiles is not None and tiles[3] == 256  # kept with the cache, laid up to the last window's start
+    afresh, none = run(False)
+    assert none is None
+    assert all(torch.equal(a, b) for a, b in zip(kept, afresh))
+    native.set_attention_on_tiles(False)
+    try:
+        fp32, _ = run(True)
+    finally:
+        native.set_attention_on_tiles(True)
+    assert not torch.equal(kept[-1], fp32[-1])
+    torch.testing.assert_close(kept[-1], fp32[-1], rtol=0.1, atol=0.1)
 
 
 def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays():

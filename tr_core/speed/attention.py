@@ -222,13 +222,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowK
 
 
 def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int, product,
-                  lib=None) -> torch.Tensor:
+                  lib=None, tiles: bool = False) -> torch.Tensor:
     """``attend`` from the step's queries already scaled in ``scratch.queries``: ``k``, ``v`` (Hkv, S, D) fp32.
     Returns (n, H * D) fp32. With ``lib`` (``native.library()``) it is one native call (``tr_attend``: each row and
     head computed alone, in the same order as here, its products as fixed sequences of multiply-adds instead of
-    ``product``'s; ~30 torch operations a layer less); else torch operations."""
+    ``product``'s; ~30 torch operations a layer less), or with ``tiles`` ``tr_attend_amx`` (the amx format's: the
+    shared part on AMX tiles, ``native.attention_on_tiles``); else torch operations."""
     if lib is not None:
-        return _native(lib, scratch, k, v, rows, n)
+        return _native((native.attention_on_tiles() if tiles else None) or lib.tr_attend, scratch, k, v, rows, n)
     kv_heads, _, dim = k.shape
     start, group = rows.start, rows.group
     m = n * group
@@ -255,7 +256,7 @@ def attend_scaled(scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: Row
     return out.view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, kv_heads * group * dim)
 
 
-def _native(lib, scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int) -> torch.Tensor:
+def _native(call, scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowKeys, n: int) -> torch.Tensor:
     kv_heads, _, dim = k.shape
     padded = scratch.queries.shape[1]
     if k.stride()[1:] != (dim, 1) or v.stride() != k.stride():  # rows of D floats, the same per head in both
@@ -267,9 +268,9 @@ def _native(lib, scratch: _Scratch, k: torch.Tensor, v: torch.Tensor, rows: RowK
                          f"expected, got {k.dtype} {tuple(k.shape)} {k.stride()} and {v.dtype} {tuple(v.shape)} "
                          f"{v.stride()}")
     out = torch.empty(n, kv_heads * rows.group * dim, dtype=torch.float32)
-    lib.tr_attend(scratch.queries.data_ptr(), padded, k.data_ptr(), v.data_ptr(), k.stride(0), rows.start,
-                  rows.index.data_ptr(), rows.valid.data_ptr(), n, rows.group, kv_heads, dim, out.data_ptr(),
-                  torch.get_num_threads())
+    call(scratch.queries.data_ptr(), padded, k.data_ptr(), v.data_ptr(), k.stride(0), rows.start,
+         rows.index.data_ptr(), rows.valid.data_ptr(), n, rows.group, kv_heads, dim, out.data_ptr(),
+         torch.get_num_threads())
     return out
 
 

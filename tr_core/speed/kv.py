@@ -28,6 +28,9 @@ class PreallocatedLayer(DynamicLayer):
         self._length = [0, 0]  # positions held by the key and the value buffer (equal, but set one at a time)
         self._views: list[torch.Tensor | None] = [None, None]
         self._ext: list = [None, None]  # keys/values given from outside, or _OWN
+        # the fewest positions the buffers have held unchanged since ``tiles_for`` last looked (a cut lowers it; new
+        # contents make it 0): positions below it still hold what the AMX tiles were laid from
+        self.shortest = 0
         super().__init__()
         self.capacity = max(1, int(capacity))
 
@@ -48,8 +51,9 @@ class PreallocatedLayer(DynamicLayer):
                 and value.stride() == buf.stride() and value.shape[:-2] == buf.shape[:-2]
                 and value.shape[-1] == buf.shape[-1]):  # a prefix of the buffer, as crop() makes
             self._ext[which], self._length[which] = _OWN, value.shape[-2]
+            self.shortest = min(self.shortest, value.shape[-2])
         else:
-            self._ext[which] = value
+            self._ext[which], self.shortest = value, 0
 
     keys = property(lambda self: self._get(0), lambda self, value: self._set(0, value))
     values = property(lambda self: self._get(1), lambda self, value: self._set(1, value))
@@ -86,7 +90,7 @@ class PreallocatedLayer(DynamicLayer):
             if length:
                 self._key_buf.narrow(-2, 0, length).copy_(keys)
                 self._value_buf.narrow(-2, 0, length).copy_(values)
-            self._ext = [_OWN, _OWN]
+            self._ext, self.shortest = [_OWN, _OWN], 0
         end = length + like.shape[-2]
         self._reserve(length, end, like)  # returns at once where the buffers fit like's positions, shape and dtype
         self._length = [end, end]
@@ -109,15 +113,16 @@ class PreallocatedLayer(DynamicLayer):
         if length > 0:
             key_buf.narrow(-2, 0, length).copy_(self._key_buf.narrow(-2, 0, length))
             value_buf.narrow(-2, 0, length).copy_(self._value_buf.narrow(-2, 0, length))
-        self._key_buf, self._value_buf, self._views = key_buf, value_buf, [None, None]
+        self._key_buf, self._value_buf, self._views, self.shortest = key_buf, value_buf, [None, None], 0
 
     def cut(self, length: int) -> None:
         """Keep the first ``length`` positions (the layer must ``own`` its contents); no view is made."""
         self._length = [length, length]
+        self.shortest = min(self.shortest, length)
 
     def reset(self) -> None:
         self._key_buf = self._value_buf = None
-        self._views, self._length = [None, None], [0, 0]
+        self._views, self._length, self.shortest = [None, None], [0, 0], 0
         super().reset()
 
 
@@ -178,6 +183,30 @@ def extend_on_store(cache: DynamicCache, n: int) -> tuple[int, torch.Tensor] | N
         rows = [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in cache.kv_store_starts]
         held = cache.kv_pointers = (store.data_ptr(), torch.tensor(rows, dtype=torch.int64))
     return past, held[1]
+
+
+TILED = 64  # the positions the AMX tiles of the keys and values are laid in at once (native.c's kv_tiles64)
+
+
+def tiles_for(cache: DynamicCache, start: int) -> tuple[torch.Tensor, int, int]:
+    """The AMX tiles of the keys and values before a step's window, which the amx format's attention reads (native.c's
+    ``attend_amx``: bf16, laid out as tile products take them), kept with a cache whose layers all hold their keys and
+    values in ``cache.kv_store`` (``extend_on_store`` found them there), half its size. Returns per layer the address
+    of its tiles (int64 (layers,)), the positions they are made for (the store's), and the first position still to be
+    laid: the tiles below it were laid from the contents the buffers still hold (no layer was cut below it, nor given
+    new contents, since: ``PreallocatedLayer.shortest``); the call lays them from there to ``start``, the window's
+    start, and the tiles count as laid up to it from then on."""
+    store = cache.kv_store
+    layers, kv_heads, capacity, dim = len(cache.layers), store.shape[1], store.shape[2], store.shape[3]
+    held = getattr(cache, "kv_tiles", None)
+    if held is None or held[0] != store.data_ptr():  # bf16 tiles, as many values as the store's keys
+        tiles = torch.empty(layers, kv_heads, 2, capacity, dim, dtype=torch.bfloat16, device=store.device)
+        held = cache.kv_tiles = [store.data_ptr(), tiles, torch.tensor([t.data_ptr() for t in tiles]), 0]
+    laid = min(held[3], min(layer.shortest for layer in cache.layers) // TILED * TILED)
+    for layer in cache.layers:
+        layer.shortest = layer._length[0]
+    held[3] = max(laid, start)
+    return held[2], capacity, min(laid, start)
 
 
 def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path: torch.Tensor) -> None:

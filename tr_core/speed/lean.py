@@ -293,7 +293,7 @@ class LeanLlama:
             if i == 0:  # what the C reads: fp32 rows (checked on the first layer: all run alike)
                 _rows(joined)
             keys, values = self._rope_store(lib, layers[i], like, joined, rope)
-            o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib))
+            o = o_proj(attention.attend_scaled(scratch, keys, values, rows, n, product, lib, self._on_tiles()))
             if i == 0:
                 _rows(o)
             lib.tr_add_rms_norm(pointers[0], o.data_ptr(), w2.data_ptr(), eps2, n, d, pointers[1])
@@ -312,6 +312,12 @@ class LeanLlama:
         return x
 
     stacked = True  # whether a pass may run as one tr_layers call (off: the same calls from Python, for tests)
+
+    def _on_tiles(self) -> bool:
+        """Whether attention runs on AMX tiles (``native.attention_on_tiles``): in the amx format, as ``tr_layers``
+        does for it, so a pass made call by call has the same bits as one made in one call."""
+        qkv = getattr(self.base.layers[0].self_attn, FUSED[0][1], None) if len(self.base.layers) else None
+        return getattr(qkv, "fmt", None) == "amx" and native.attention_on_tiles() is not None
 
     def _program(self, n: int):
         """For passes of ``n`` rows: (per layer the pointers tr_layers reads, as an int64 tensor (layers, 6); the
@@ -371,8 +377,11 @@ class LeanLlama:
         found = None
         if store is not None and store.dtype == torch.float32 and store.shape[1::2] == (kv_heads, dim):
             found = kv.extend_on_store(cache, n)
+        tiles = (None, 0, 0)  # the amx format's attention lays the tiles of the keys afresh in each layer's call
         if found is not None:
             past, pointers = found
+            if f16 == KERNEL_CODES["amx"] and native.attention_on_tiles() is not None:  # or keeps them with the cache
+                tiles = kv.tiles_for(cache, rows.start)
         else:
             like = hidden.new_empty(1, kv_heads, n, dim)
             held, past = [], None
@@ -402,7 +411,8 @@ class LeanLlama:
             len(cache.layers), weights.data_ptr(), eps.data_ptr(), pointers.data_ptr(), past, int(f16), d, heads,
             kv_heads, dim, inter, self.scaling, n, hidden.data_ptr(), x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             queries, padded, rows.start, rows.index.data_ptr(), rows.valid.data_ptr(), qkv, att, o, gate_up, act,
-            delta, norm.weight.data_ptr(), norm.variance_epsilon, torch.get_num_threads())
+            delta, norm.weight.data_ptr(), norm.variance_epsilon, torch.get_num_threads(),
+            None if tiles[0] is None else tiles[0].data_ptr(), tiles[1], tiles[2])
         return x
 
     def _rope_store(self, lib, layer, like: torch.Tensor, joined: torch.Tensor,

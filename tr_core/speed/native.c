@@ -189,6 +189,50 @@ static inline __m512 sum16(const __m512 *p) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), d);
 }
 
+/* A row's products with one key of 64 floats (q0..q3: the row's query), its dot product (the lanes summed by
+ * _mm512_reduce_add_ps's tree), and one step of a weighted sum of values (o0..o3 += a * v): attend_rows64's and
+ * attend_tiles64's fixed sequences of operations. */
+#define PRODUCTS64(k)                                                                                              \
+    _mm512_fmadd_ps(q3, _mm512_loadu_ps((k) + 48),                                                                 \
+                    _mm512_fmadd_ps(q2, _mm512_loadu_ps((k) + 32),                                                 \
+                                    _mm512_fmadd_ps(q1, _mm512_loadu_ps((k) + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))))
+#define DOT64(k) _mm512_reduce_add_ps(PRODUCTS64(k))
+#define ADD64(a, v)                                                                                                \
+    {                                                                                                              \
+        __m512 s = _mm512_set1_ps(a);                                                                              \
+        const float *vr = (v);                                                                                     \
+        o0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr), o0);                                                          \
+        o1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 16), o1);                                                     \
+        o2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 32), o2);                                                     \
+        o3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 48), o3);                                                     \
+    }
+
+/* Row b's window (D = 64): its scores at own[j] = q . keys[idx[j]] where ok[j], -inf elsewhere, then the softmax
+ * over the row's start + BLOCK entries at w (softmax_row); returns the sum of its numerators. */
+static float window_softmax64(const float *qb, const float *keys, int64_t start, const int64_t *idx,
+                              const uint8_t *ok, float *w) {
+    __m512 q0 = _mm512_loadu_ps(qb), q1 = _mm512_loadu_ps(qb + 16), q2 = _mm512_loadu_ps(qb + 32),
+           q3 = _mm512_loadu_ps(qb + 48);
+    float *own = w + start;
+    for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? DOT64(keys + idx[j] * 64) : -INFINITY;
+    return softmax_row(w, start, ok);
+}
+
+/* A row's output (D = 64): its shared part's weighted values a (64 floats), plus the window's valid offsets'
+ * own[j] * values[idx[j]] in order, divided by total, to o. */
+static void window_out64(const float *a, const float *own, const float *values, const int64_t *idx,
+                         const uint8_t *ok, float total, float *o) {
+    __m512 o0 = _mm512_loadu_ps(a), o1 = _mm512_loadu_ps(a + 16), o2 = _mm512_loadu_ps(a + 32),
+           o3 = _mm512_loadu_ps(a + 48);
+    for (int j = 0; j < BLOCK; j++)
+        if (ok[j]) ADD64(own[j], values + idx[j] * 64)
+    __m512 t = _mm512_set1_ps(total);
+    _mm512_storeu_ps(o, _mm512_div_ps(o0, t));
+    _mm512_storeu_ps(o + 16, _mm512_div_ps(o1, t));
+    _mm512_storeu_ps(o + 32, _mm512_div_ps(o2, t));
+    _mm512_storeu_ps(o + 48, _mm512_div_ps(o3, t));
+}
+
 #define KEYS_AT_ONCE 32 /* keys (and values) a block of rows goes through together: 8 kB of each, held in L1 */
 
 /* attend_row for rows 0..B-1 of one kv head (D = 64), which share its keys and values: queries q + b * 64 (scaled),
@@ -205,20 +249,6 @@ static void attend_rows64(const float *q, int B, const float *keys, const float 
                           const int64_t *index, const uint8_t *valid, int row0, int group, int heads, int kv,
                           float *w, float *acc, float *out) {
     int64_t len = start + BLOCK;
-#define PRODUCTS64(k)                                                                                              \
-    _mm512_fmadd_ps(q3, _mm512_loadu_ps((k) + 48),                                                                 \
-                    _mm512_fmadd_ps(q2, _mm512_loadu_ps((k) + 32),                                                 \
-                                    _mm512_fmadd_ps(q1, _mm512_loadu_ps((k) + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(k)))))
-#define DOT64(k) _mm512_reduce_add_ps(PRODUCTS64(k))
-#define ADD64(a, v)                                                                                                \
-    {                                                                                                              \
-        __m512 s = _mm512_set1_ps(a);                                                                              \
-        const float *vr = (v);                                                                                     \
-        o0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr), o0);                                                          \
-        o1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 16), o1);                                                     \
-        o2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 32), o2);                                                     \
-        o3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(vr + 48), o3);                                                     \
-    }
     for (int64_t j0 = 0; j0 < start; j0 += KEYS_AT_ONCE) { /* the shared scores, 16 keys' sums at once */
         int64_t j1 = j0 + KEYS_AT_ONCE < start ? j0 + KEYS_AT_ONCE : start;
         for (int b = 0; b < B; b++) {
@@ -237,15 +267,9 @@ static void attend_rows64(const float *q, int B, const float *keys, const float 
     }
     float totals[B];
     for (int b = 0; b < B; b++) { /* the window's scores, the softmax */
-        const float *qb = q + b * 64;
-        __m512 q0 = _mm512_loadu_ps(qb), q1 = _mm512_loadu_ps(qb + 16), q2 = _mm512_loadu_ps(qb + 32),
-               q3 = _mm512_loadu_ps(qb + 48);
         int r = (row0 + b) / group;
-        const int64_t *idx = index + (int64_t)r * BLOCK;
-        const uint8_t *ok = valid + (int64_t)r * BLOCK;
-        float *own = w + b * len + start;
-        for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? DOT64(keys + idx[j] * 64) : -INFINITY;
-        totals[b] = softmax_row(w + b * len, start, ok);
+        totals[b] = window_softmax64(q + b * 64, keys, start, index + (int64_t)r * BLOCK, valid + (int64_t)r * BLOCK,
+                                     w + b * len);
         _mm512_storeu_ps(acc + b * 64, _mm512_setzero_ps());
         _mm512_storeu_ps(acc + b * 64 + 16, _mm512_setzero_ps());
         _mm512_storeu_ps(acc + b * 64 + 32, _mm512_setzero_ps());
@@ -289,23 +313,9 @@ static void attend_rows64(const float *q, int B, const float *keys, const float 
     }
     for (int b = 0; b < B; b++) { /* the window's values, the division */
         int row = row0 + b, r = row / group;
-        const int64_t *idx = index + (int64_t)r * BLOCK;
-        const uint8_t *ok = valid + (int64_t)r * BLOCK;
-        const float *own = w + b * len + start, *a = acc + b * 64;
-        __m512 o0 = _mm512_loadu_ps(a), o1 = _mm512_loadu_ps(a + 16), o2 = _mm512_loadu_ps(a + 32),
-               o3 = _mm512_loadu_ps(a + 48);
-        for (int j = 0; j < BLOCK; j++)
-            if (ok[j]) ADD64(own[j], values + idx[j] * 64)
-        __m512 t = _mm512_set1_ps(totals[b]);
-        float *o = out + ((int64_t)r * heads + kv * group + row % group) * 64;
-        _mm512_storeu_ps(o, _mm512_div_ps(o0, t));
-        _mm512_storeu_ps(o + 16, _mm512_div_ps(o1, t));
-        _mm512_storeu_ps(o + 32, _mm512_div_ps(o2, t));
-        _mm512_storeu_ps(o + 48, _mm512_div_ps(o3, t));
+        window_out64(acc + b * 64, w + b * len + start, values, index + (int64_t)r * BLOCK, valid + (int64_t)r * BLOCK,
+                     totals[b], out + ((int64_t)r * heads + kv * group + row % group) * 64);
     }
-#undef PRODUCTS64
-#undef DOT64
-#undef ADD64
 }
 #endif
 
@@ -712,6 +722,209 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
     }
     free(a);
 }
+
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+/* Attention's shared part on AMX tiles (tr_attend_amx, the fast mode's `amx` format; D = 64): tr_attend's layout and
+ * order with the shared keys' scores and weighted values as tile products. A row's query and its shared keys are
+ * rounded to bf16 (to nearest even), each score summed in fp32 by two tdpbf16ps (dims 0-31, then 32-63); the
+ * softmax in fp32 over the row's shared scores and its window's (the window's scores and weighted values in fp32 as
+ * in attend_rows64); the shared part's numerators rounded to bf16 and multiplied by the values rounded to bf16, one
+ * tdpbf16ps per run of 32 keys in order, into fp32. An accumulator's row r depends on row r of the A tile alone, so
+ * every row's bits are the same whatever rows share its tiles (the padding rows are other rows), and a plain step runs
+ * the same code. */
+
+/* The shared keys 0..start-1 of one kv head (start a multiple of 64; rows of 64 floats), from key k0 (a multiple of
+ * 64) on, as B tiles for the scores: block b of 16 keys, run r of 32 dims: the 1 kB tile at kt + (2b + r) * 512, its
+ * row p holding keys 16b..16b+15's dims 32r + 2p and 32r + 2p + 1 in turn. And as B tiles for the weighted values:
+ * run s of 32 keys, group c of 16 dims: the tile at vt + (4s + c) * 512, its row p holding dims 16c..16c+15 of keys
+ * 32s + 2p and 32s + 2p + 1 side by side. 64 keys each call. */
+static void kv_tiles64(const float *keys, const float *values, int64_t k0, uint16_t *kt, uint16_t *vt) {
+    const __m512i rows = _mm512_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480);
+    const __m512i pairs = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005, 0x160006,
+                                            0x170007, 0x180008, 0x190009, 0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d,
+                                            0x1e000e, 0x1f000f); /* 16-bit lanes 0, 16, 1, 17, ...: two rows interleaved */
+    for (int64_t b = k0 / 16; b < k0 / 16 + 4; b++) {
+        uint32_t words[16 * 32] __attribute__((aligned(64))); /* key j's dims as bf16 pairs: words[32 j + w] */
+        for (int j = 0; j < 16; j++) {
+            const float *k = keys + (16 * b + j) * 64;
+            _mm512_store_si512(words + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k + 16), _mm512_loadu_ps(k)));
+            _mm512_store_si512(words + 32 * j + 16,
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k + 48), _mm512_loadu_ps(k + 32)));
+        }
+        for (int r = 0; r < 2; r++)
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512(kt + (2 * b + r) * 512 + p * 32,
+                                    _mm512_i32gather_epi32(rows, (const void *)(words + 16 * r + p), 4));
+    }
+    for (int64_t s = k0 / 32; s < k0 / 32 + 2; s++)
+        for (int p = 0; p < 16; p++) {
+            const float *v0 = values + (32 * s + 2 * p) * 64, *v1 = v0 + 64;
+            for (int c = 0; c < 4; c++) {
+                __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v1 + 16 * c), _mm512_loadu_ps(v0 + 16 * c));
+                _mm512_storeu_si512(vt + (4 * s + c) * 512 + p * 32, _mm512_permutexvar_epi16(pairs, both));
+            }
+        }
+}
+
+/* attend_rows64 for rows 0..B-1 (B <= 16) of one kv head, the shared part on tiles: kt, vt its keys' and values' tiles
+ * (kv_tiles64). Scratch: w 16 * (start + BLOCK) floats, acc 16 * 64 floats, pb 16 * start and qb 16 * 64 bf16 (their
+ * rows past B: any finite values, as calloc leaves them). Tiles: tmm0-3 accumulators, tmm4-5 A, tmm6-7 (and tmm5 for
+ * the values) B; configured by the caller. */
+static void attend_tiles64(const float *q, int B, const uint16_t *kt, const uint16_t *vt, const float *keys,
+                           const float *values, int64_t start, const int64_t *index, const uint8_t *valid, int row0,
+                           int group, int heads, int kv, float *w, float *acc, uint16_t *pb, uint16_t *qb,
+                           float *out) {
+    int64_t len = start + BLOCK;
+    float totals[16];
+    if (start) {
+        for (int b = 0; b < B; b++) { /* the queries rounded to bf16: A tiles of dims 0-31 and 32-63 */
+            const float *qr = q + b * 64;
+            _mm512_storeu_si512(qb + b * 64, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 16), _mm512_loadu_ps(qr)));
+            _mm512_storeu_si512(qb + b * 64 + 32,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 48), _mm512_loadu_ps(qr + 32)));
+        }
+        _tile_loadd(4, qb, 128);
+        _tile_loadd(5, qb + 32, 128);
+        for (int64_t b = 0; b < start / 16; b += 4) { /* 4 blocks of 16 keys' scores: each dims 0-31 then 32-63 */
+            const uint16_t *k = kt + 2 * b * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(6, k, 64);
+            _tile_loadd(7, k + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 7);
+            _tile_loadd(6, k + 1024, 64);
+            _tile_loadd(7, k + 1536, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_loadd(6, k + 2048, 64);
+            _tile_loadd(7, k + 2560, 64);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(2, 5, 7);
+            _tile_loadd(6, k + 3072, 64);
+            _tile_loadd(7, k + 3584, 64);
+            _tile_dpbf16ps(3, 4, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(0, w + 16 * b, len * 4);
+            _tile_stored(1, w + 16 * b + 16, len * 4);
+            _tile_stored(2, w + 16 * b + 32, len * 4);
+            _tile_stored(3, w + 16 * b + 48, len * 4);
+        }
+    }
+    for (int b = 0; b < B; b++) { /* the window's scores, the softmax, the shared numerators rounded to bf16 */
+        int r = (row0 + b) / group;
+        totals[b] = window_softmax64(q + b * 64, keys, start, index + (int64_t)r * BLOCK, valid + (int64_t)r * BLOCK,
+                                     w + b * len);
+        for (int64_t j = 0; j < start; j += 32)
+            _mm512_storeu_si512(pb + b * start + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + b * len + j + 16),
+                                                                                 _mm512_loadu_ps(w + b * len + j)));
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < start / 32; s++) { /* the shared values: each run of 32 keys into dims 0-15 .. 48-63 */
+        const uint16_t *v = vt + 4 * s * 512;
+        _tile_loadd(4, pb + 32 * s, start * 2);
+        _tile_loadd(6, v, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, v + 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, v + 1024, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, v + 1536, 64);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, acc, 256);
+    _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256);
+    _tile_stored(3, acc + 48, 256);
+    for (int b = 0; b < B; b++) { /* the window's values, the division */
+        int row = row0 + b, r = row / group;
+        window_out64(acc + b * 64, w + b * len + start, values, index + (int64_t)r * BLOCK, valid + (int64_t)r * BLOCK,
+                     totals[b], out + ((int64_t)r * heads + kv * group + row % group) * 64);
+    }
+}
+
+/* Whether tr_layers attends with tr_attend_amx in the amx format (native.py turns it on once its check passed; off, it
+ * runs tr_attend there too). */
+static int attend_tiles = 0;
+void tr_attend_tiles(int on) { attend_tiles = on; }
+
+/* The calling thread's buffer for a call's key and value tiles (grown, never shrunk; one per thread that calls). */
+static _Thread_local uint16_t *kv_scratch;
+static _Thread_local size_t kv_scratch_size;
+
+/* tr_attend with the shared part on AMX tiles (attend_tiles64), for D = 64 where the tile state is granted; other
+ * head sizes (a shape of the model, the same for every call) run tr_attend. The shared keys and values come laid in
+ * tiles (kv_tiles64) at `tiles`: per kv head, the keys' tiles of `cap` positions (cap * 64 bf16), then the values'
+ * (as many); those of positions tiled_from..start-1 (multiples of 64) are laid first, 64 keys a task (the earlier
+ * ones were laid by earlier calls: tr_layers keeps them with the cache). tiles NULL: laid afresh in a buffer of the
+ * calling thread. Then the rows go in blocks of up to 16 of one kv head (fewer where that leaves threads idle). */
+static void attend_amx(const float *queries, int padded, const float *keys, const float *values, int64_t head_stride,
+                       int64_t start, const int64_t *index, const uint8_t *valid, int n, int group, int kv_heads,
+                       float *out, int threads, uint16_t *tiles, int64_t cap, int64_t tiled_from) {
+    int m = n * group, heads = kv_heads * group;
+    int many = (int64_t)kv_heads * m * (start + BLOCK) * 64 > (1 << 16);
+    int rows = (int)((int64_t)kv_heads * m / (2 * (many ? threads : 1)));
+    rows = rows < 1 ? 1 : rows > 16 ? 16 : rows;
+    int per_head = (m + rows - 1) / rows;
+    if (!tiles) {
+        cap = start;
+        tiled_from = 0;
+        size_t need = sizeof(uint16_t) * 2 * (size_t)kv_heads * cap * 64;
+        if (need > kv_scratch_size) {
+            free(kv_scratch);
+            kv_scratch = aligned_alloc(64, need);
+            if (!kv_scratch) abort(); /* a few MB at most: without them the process could not go on anyway */
+            kv_scratch_size = need;
+        }
+        tiles = kv_scratch;
+    }
+    int64_t tasks = (int64_t)kv_heads * per_head, per_kv = cap * 64, fresh = (start - tiled_from) / 64;
+#pragma omp parallel num_threads(threads) if(many)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < kv_heads * fresh; t++) {
+            int kv = (int)(t / fresh);
+            uint16_t *kt = tiles + 2 * kv * per_kv;
+            kv_tiles64(keys + kv * head_stride, values + kv * head_stride, tiled_from + t % fresh * 64, kt,
+                       kt + per_kv);
+        }
+        amx_configure();
+        float *w = calloc((size_t)16 * (start + BLOCK) + 16 * 64, sizeof(float));
+        uint16_t *pb = calloc((size_t)16 * start + 16 * 64, sizeof(uint16_t));
+        if (!w || !pb) abort(); /* tens of kB: without them the process could not go on anyway */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int kv = (int)(t / per_head), row0 = (int)(t % per_head) * rows;
+            int count = m - row0 < rows ? m - row0 : rows;
+            const uint16_t *kt = tiles + 2 * kv * per_kv;
+            attend_tiles64(queries + ((int64_t)kv * padded + row0) * 64, count, kt, kt + per_kv,
+                           keys + kv * head_stride, values + kv * head_stride, start, index, valid, row0, group,
+                           heads, kv, w, w + 16 * (start + BLOCK), pb, pb + 16 * start, out);
+        }
+        free(w);
+        free(pb);
+        _tile_release();
+    }
+}
+
+/* tr_attend's call with the shared part on AMX tiles, laid afresh (attend_amx): the amx format's attention call by
+ * call (the lean forward's path outside tr_layers). */
+void tr_attend_amx(const float *queries, int padded, const float *keys, const float *values, int64_t head_stride,
+                   int64_t start, const int64_t *index, const uint8_t *valid, int n, int group, int kv_heads, int dim,
+                   float *out, int threads) {
+    if (dim != 64 || start % BLOCK || !tr_amx_ready())
+        tr_attend(queries, padded, keys, values, head_stride, start, index, valid, n, group, kv_heads, dim, out,
+                  threads);
+    else
+        attend_amx(queries, padded, keys, values, head_stride, start, index, valid, n, group, kv_heads, out, threads,
+                   NULL, 0, 0);
+}
+#endif
 #endif
 
 /* The CPU's peak rate of the linear layers' products, for calibrate.py's limits: each of `threads` threads runs
@@ -807,17 +1020,19 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
  * Python one by one (lean.py's _windowed_native), so the same bits. weights (layers, 6): per layer the pointers of
  * its input norm's weight, its fused q/k/v tiles, o tiles, post-attention norm's weight, fused gate/up tiles and down
  * tiles (fp32 where f16 is 0, fp16 where 1, bf16 pairs where 2: tr_linear_bf16, AMX tiles where 3: tr_linear_amx);
- * eps (layers, 2) the norms'
- * epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position
+ * eps (layers, 2) the norms' epsilons; kv (layers, 3): its key and value buffers (Hkv, capacity, D), where the step's rows go from position
  * past on, and their floats per kv head. hidden (n, d): the embedded rows, the residual stream updated in place; x
  * (n, d): the final norm's output. The buffers: qkv
  * (n, (H + 2 Hkv) D), att (n, H D), o and delta (n, d), gate_up (n, 2 inter), act (n, inter); queries, rows and
- * windows as tr_attend's. */
+ * windows as tr_attend's. In the amx format with its attention on tiles (tr_attend_tiles), tiles (layers): per layer
+ * the address of its keys' and values' AMX tiles for `cap` positions (attend_amx), laid from tiled_from to the
+ * window's start by this call; NULL: laid afresh in each layer's call. */
 void tr_layers(int layers, const int64_t *weights, const float *eps, const int64_t *kv, int64_t past, int f16, int d,
                int heads, int kv_heads, int dim, int inter, float scale, int n, float *hidden, float *x,
                const float *cos, const float *sin, float *queries, int padded, int64_t start, const int64_t *index,
                const uint8_t *valid, float *qkv, float *att, float *o, float *gate_up, float *act, float *delta,
-               const float *final_norm, float final_eps, int threads) {
+               const float *final_norm, float final_eps, int threads, const int64_t *tiles, int64_t cap,
+               int64_t tiled_from) {
     int nq = heads * dim, nkv = kv_heads * dim, width = nq + 2 * nkv;
     const float *last = NULL;
 #ifdef __AVX512BF16__
@@ -829,6 +1044,16 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
 #define LINEAR_AMX(in_rows, tiles, in, out, y) tr_linear_amx(in_rows, (const uint16_t *)(tiles), n, in, out, y, threads)
 #else
 #define LINEAR_AMX(in_rows, tiles, in, out, y) abort()
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define ATTEND(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, dim, out, threads) \
+    (f16 == 3 && attend_tiles && dim == 64 && tr_amx_ready()                                                     \
+         ? attend_amx(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, out, threads, \
+                      tiles ? (uint16_t *)tiles[l] : NULL, cap, tiled_from)                                       \
+         : tr_attend(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, dim, out,     \
+                     threads))
+#else
+#define ATTEND(...) tr_attend(__VA_ARGS__)
 #endif
 #define LINEAR_CALL(in_rows, tiles, in, out, y)                                                                    \
     (f16 == 3 ? LINEAR_AMX(in_rows, tiles, in, out, y)                                                             \
@@ -842,8 +1067,8 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
         LINEAR_CALL(x, w[1], d, width, qkv);
         tr_rope_store(qkv, qkv + nq, qkv + nq + nkv, width, cos, sin, n, heads, kv_heads, dim, scale, queries, padded,
                       keys, values, c[2], past);
-        tr_attend(queries, padded, keys, values, c[2], start, index, valid, n, heads / kv_heads, kv_heads, dim, att,
-                  threads);
+        ATTEND(queries, padded, keys, values, c[2], start, index, valid, n, heads / kv_heads, kv_heads, dim, att,
+               threads);
         LINEAR_CALL(att, w[2], nq, d, o);
         tr_add_rms_norm(hidden, o, (const float *)w[3], eps[2 * l + 1], n, d, x);
         LINEAR_CALL(x, w[4], d, 2 * inter, gate_up);
@@ -852,6 +1077,7 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
         last = delta;
     }
 #undef LINEAR_CALL
+#undef ATTEND
     tr_add_rms_norm(hidden, last, final_norm, final_eps, n, d, x);
 }
 #endif

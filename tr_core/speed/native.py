@@ -57,8 +57,10 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             # and where the CPU has AMX (amx_tile, amx_bf16): bf16 weights in AMX tiles (layouts.py's "amxn"), once
             # the kernel grants the process the tile state (tr_amx_ready, asked by ``_optional_check``)
             "tr_amx_ready": [], "tr_linear_amx": [_P, _P, _I, _I, _I, _P, _I],
+            # and there, attention with its shared part on AMX tiles (the amx format's; ``attention_on_tiles``)
+            "tr_attend_amx": SIGNATURES["tr_attend"], "tr_attend_tiles": [_I],
             "tr_layers": [_I, _P, _P, _P, _L, _I, _I, _I, _I, _I, _I, _F, _I, _P, _P, _P, _P, _P, _I, _L, _P, _P, _P,
-                          _P, _P, _P, _P, _P, _P, _F, _I],
+                          _P, _P, _P, _P, _P, _P, _F, _I, _P, _L, _L],
             # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
             "tr_peak_products": [_I, _L, _I, _P],
             # from how many rows the linear layers prefetch their weights (``fetch_from_rows``: chosen here)
@@ -66,7 +68,7 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
 # the functions that return something (the others return nothing)
 RETURNS = {"tr_peak_products": ctypes.c_int, "tr_amx_ready": ctypes.c_int}
 # optional functions no step calls: left out of the timing caches' tag (``tag``; the prefetch's choice is in it)
-UNTIMED = {"tr_peak_products", "tr_fetch_from_rows", "tr_amx_ready"}
+UNTIMED = {"tr_peak_products", "tr_fetch_from_rows", "tr_amx_ready", "tr_attend_tiles"}
 # by the weights' dtype, and "amx" for bf16 weights in AMX tiles (``layouts.WeightTiles.kernel``)
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16",
           "amx": "tr_linear_amx"}
@@ -158,8 +160,9 @@ def library():
         if hasattr(lib, name):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, RETURNS.get(name)
-            if _optional_check(name, fn):  # one that fails its check is left out alone
+            if _optional_check(name, fn, lib):  # one that fails its check is left out alone
                 _OPTIONAL_HERE[name] = fn
+    set_attention_on_tiles(True)
     if "tr_fetch_from_rows" in _OPTIONAL_HERE:
         _FETCH.update(_fetch_choice(Path(lib._name)))
         _OPTIONAL_HERE["tr_fetch_from_rows"](_FETCH["rows"])
@@ -174,6 +177,29 @@ def linear(kind: torch.dtype | str):
     ``tr_linear_bf16``, ``"amx"``: ``tr_linear_amx``), or None where the library or the CPU lacks it (or it failed
     its check)."""
     return _OPTIONAL_HERE.get(LINEAR.get(kind)) if library() is not None else None
+
+
+_TILES = {"on": False}  # whether the amx format attends on tiles (``set_attention_on_tiles``)
+
+
+def attention_on_tiles():
+    """``tr_attend_amx`` (``tr_attend`` with the keys before the window on AMX tiles: bf16 queries, keys, softmax
+    weights and values, fp32 sums), which the fast mode's amx format attends with, in ``tr_layers`` and call by call
+    alike; None where it is not built here, failed its check, or is turned off."""
+    if library() is None or not _TILES["on"]:
+        return None
+    return _OPTIONAL_HERE.get("tr_attend_amx")
+
+
+def set_attention_on_tiles(on: bool) -> bool:
+    """Turn the amx format's attention on tiles on (where it is built and passed its check: the default) or off (it
+    then runs ``tr_attend``, fp32, as the other formats do), for the whole process: for side-by-side timings and
+    tests. Returns whether it is on. A model's plan measured one way is not re-measured the other way."""
+    on = bool(on) and "tr_attend_amx" in _OPTIONAL_HERE and "tr_attend_tiles" in _OPTIONAL_HERE
+    if "tr_attend_tiles" in _OPTIONAL_HERE:
+        _OPTIONAL_HERE["tr_attend_tiles"](int(on))
+    _TILES["on"] = on
+    return on
 
 
 def stacked():
@@ -334,12 +360,14 @@ def _self_check(lib) -> bool:
                 and torch.equal(values[0], q))
 
 
-def _optional_check(name: str, fn) -> bool:
+def _optional_check(name: str, fn, lib) -> bool:
     """A C linear layer against torch's product, on a ragged shape (tails of rows and outputs). ``tr_layers`` has
     no check of its own: it makes the checked calls in the lean forward's order (the suite checks it against that
     forward made call by call, bit for bit)."""
     if name == "tr_amx_ready":
         return bool(fn())
+    if name == "tr_attend_amx":
+        return "tr_amx_ready" in _OPTIONAL_HERE and _attention_check(fn, lib.tr_attend)
     if name not in LINEAR.values():
         return True
     kind = next(d for d, n in LINEAR.items() if n == name)
@@ -354,3 +382,22 @@ def _optional_check(name: str, fn) -> bool:
         x = x.to(torch.bfloat16).float()
     return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
 
+
+
+def _attention_check(fn, fp32) -> bool:
+    """``tr_attend_amx`` against the fp32 ``tr_attend`` (``fp32``, checked by the suite against torch's SDPA)
+    on 2 rows of 9 query heads over 3 kv heads, 128 keys before the window and 2 in it: within bf16's rounding of
+    the shared part's inputs."""
+    g = torch.Generator().manual_seed(0)
+    kv_heads, group, dim, past, n = 3, 3, 64, 129, 2
+    keys, values = torch.randn(kv_heads, past + n, dim, generator=g), torch.randn(kv_heads, past + n, dim, generator=g)
+    queries = torch.randn(kv_heads, n * group, dim, generator=g) * 0.125
+    index = torch.tensor([[128, 129] + [0] * 62, [128, 130] + [0] * 62])
+    valid = index > 0
+    outs = []
+    for attend in (fp32, fn):
+        out = torch.empty(n, kv_heads * group * dim)
+        attend(queries.data_ptr(), n * group, keys.data_ptr(), values.data_ptr(), keys.stride(0), 128,
+               index.data_ptr(), valid.data_ptr(), n, group, kv_heads, dim, out.data_ptr(), torch.get_num_threads())
+        outs.append(out)
+    return bool(torch.allclose(outs[1], outs[0], rtol=0.05, atol=0.02))
