@@ -377,7 +377,8 @@ def test_the_amx_format_attends_on_tiles_kept_with_the_cache_as_on_tiles_laid_af
     64 positions: ``kv.tiles_for``) and call by call on tiles laid afresh: the same bits through prefill chunks,
     plain steps across windows, a tree, and a crop below the tiles laid followed by other tokens (the tiles of the
     cut positions laid again), and other bits than fp32 attention's (so the tiles did run)."""
-    from transformers import LlamaConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     from tr_core.speed import layouts
     library_here()
     if "amxn" not in layouts.available_layouts() or native.attention_on_tiles() is None:
@@ -408,7 +409,8 @@ def test_the_amx_format_attends_on_tiles_kept_with_the_cache_as_on_tiles_laid_af
             tree[0, 0, node, [200 + s for s in seen]] = 0
         out.append(forward(input_ids=ids[:, 200:203], position_ids=torch.tensor([[200, 201, 201]]),
                            attention_mask=tree, cache=cache).last_hidden_state)
-        cache.crop(150 - cache.get_seq_length())  # below the tiles laid up to 192: those of 128..191 must be laid again from other keys
+        # below the tiles laid up to 192: those of 128..191 must be laid again from other keys
+        cache.crop(150 - cache.get_seq_length())
         out += [forward(input_ids=other[:, p:p + 1], cache=cache).last_hidden_state for p in range(150, 270)]
         return out, getattr(cache, "kv_tiles", None)
 

@@ -86,7 +86,8 @@ def _bf16_unit() -> str:
 
 def _format_name(fmt: str) -> str:
     if fmt == "amx" and native.attention_on_tiles() is not None:
-        return "bf16 weights and products on AMX tiles, and attention over the keys before its window too, fp32 activations"
+        return ("bf16 weights and products on AMX tiles, and attention over the keys before its window too, fp32 "
+                "activations")
     return f"bf16 ({_bf16_unit()})" if fmt == "bf16" else FORMAT_NAMES[fmt]
 
 
