@@ -264,12 +264,14 @@ def paired_limits(model: PreTrainedModel, rounds: int = LIMIT_ROUNDS, block: int
 
 
 def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]], size: int, products: int,
-                peak: float | None, small: str, attention: int = 0, attention_peak: float | None = None) -> str:
+                peak: float | None, small: str, attention: int = 0, attention_peak: float | None = None,
+                attention_kind: str = "fp32 multiply-adds") -> str:
     """``show_limits``'s line from its measurements, ``paired_limits``' rounds (bandwidth GB/s, t(1) ms, t(16) ms):
     the plain step against its weights' streaming time (``size`` bytes at its round's bandwidth), and t(16)/t(1)
     against the ratio of the two passes' floors here (``step_floor_ms``, with the CPU's ``peak`` products a second of
     the format's instruction, None where not measured: then no floor is claimed; and ``attention`` products a row at
-    ``attention_peak``, the fp32 multiply-adds' peak, where given). Each ratio is the median of the rounds' own; the
+    ``attention_peak``, where given: the peak of its ``attention_kind``, fp32 multiply-adds or, where the amx format
+    attends on the tiles, AMX tile products). Each ratio is the median of the rounds' own; the
     times and the bandwidth printed are the rounds' medians."""
 
     med = statistics.median
@@ -286,7 +288,7 @@ def limits_line(mode: str, fmt: str, rounds: Sequence[tuple[float, float, float]
         n = 16
         floors = [(step_floor_ms(1, s, products, peak, attention, attention_peak),
                    step_floor_ms(n, s, products, peak, attention, attention_peak)) for s in stream]
-        also = (f", and attention's {n * attention / 1e9:.2f} G fp32 multiply-adds at {DEFAULT_FIT_CONTEXT} positions "
+        also = (f", and attention's {n * attention / 1e9:.2f} G {attention_kind} at {DEFAULT_FIT_CONTEXT} positions "
                 f"at {attention_peak / 1e9:.0f} G a second" if attention and attention_peak else "")
         many = med(f[1] for f in floors)
         line += (f", against {med(f[1] / f[0] for f in floors):.2f} were both passes at their floors here (one row: "
@@ -309,9 +311,13 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     fmt = plan.fmt if plan is not None else "fp32"
     kind = PEAK_OF_FORMAT.get(fmt)
 
-    def peaks() -> tuple[float | None, float | None]:  # the format's instruction's; attention's (fp32 in every mode)
+    # attention's products: fp32 multiply-adds, or tile products where the amx format attends on the tiles
+    tiles = fmt == "amx" and native.attention_on_tiles() is not None
+    attention_kind = "fp32 multiply-adds" if not tiles else PEAK_KINDS["amx"][2]
+
+    def peaks() -> tuple[float | None, float | None]:  # the format's instruction's; attention's
         peak = native.peak_products(kind) if kind else None
-        return peak, (peak if kind == "fma" else native.peak_products("fma")) if peak else None
+        return peak, (peak if kind == "fma" or tiles else native.peak_products("fma")) if peak else None
 
     before = peaks()
     rounds = paired_limits(prepared)
@@ -322,7 +328,7 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     placed = kernels_module.pages_note(prepared)
     small += f"; {placed}" if placed else ""
     return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small,
-                       attention_products(model), fma)
+                       attention_products(model), fma, attention_kind)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -254,8 +254,9 @@ class LeanLlama:
         if native.library() is None:
             return f"torch's operations (native calls {native.status()})"
         fetch = native.fetch_note()
-        return ("native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU)"
-                + (f"; {fetch}" if fetch else ""))
+        tiles = ", attention over the keys before its window on AMX tiles" if self._on_tiles() else ""
+        return ("native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU"
+                + f"{tiles})" + (f"; {fetch}" if fetch else ""))
 
     def _native(self, hidden: torch.Tensor):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""
