@@ -177,6 +177,39 @@ def test_paired_limits_reads_the_memory_then_times_the_steps_round_by_round(monk
     assert rounds == [(30.0, 4.0, 9.0), (31.0, 4.0, 9.0), (32.0, 4.0, 9.0)]
 
 
+def test_attention_pairs_alternate_the_two_settings_round_by_round_and_leave_the_tiles_on(monkeypatch):
+    """``calibrate --attention``'s pairs on stubbed steps (the tiles' steps 0.8x fp32's at 16 rows): each round runs
+    both settings, in turned order, the first round uncounted; the ratio is the rounds' median; the tiles are on
+    after, also where a round fails."""
+    from tr_core.speed import calibrate
+    state, log = {"on": True}, []
+
+    class Bench:
+        def __init__(self, model, sizes, *_):
+            assert tuple(sizes) == calibrate.ATTENTION_SIZES
+
+        def time_round(self, block):
+            log.append(state["on"])
+            if state.get("fail"):
+                raise RuntimeError("a failed step")
+            cut = 0.8 if state["on"] else 1.0
+            return {n: [10.0 * n * (cut if n == 16 else 1.0)] * block for n in calibrate.ATTENTION_SIZES}
+
+    monkeypatch.setattr(calibrate, "StepBench", Bench)
+
+    def switch(on):
+        state["on"] = on
+
+    pairs = calibrate.attention_pairs(object(), 256, rounds=3, switch=switch)
+    assert log == [False, True, True, False, False, True, True, False]
+    assert pairs[16] == (128.0, 160.0, 0.8) and pairs[1] == (10.0, 10.0, 1.0)
+    assert state["on"]
+    state["fail"] = True
+    with pytest.raises(RuntimeError):
+        calibrate.attention_pairs(object(), 256, rounds=3, switch=lambda on: state.update(on=on))
+    assert state["on"]
+
+
 def test_the_peak_is_measured_where_the_library_has_the_instruction(monkeypatch):
     from tr_core.speed import native
     if native.library() is None or "tr_peak_products" not in native._OPTIONAL_HERE:

@@ -331,20 +331,75 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
                        attention_products(model), fma, attention_kind)
 
 
+ATTENTION_SIZES = (1, 4, 16, 32, 81)
+
+
+def attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8, block: int = 3,
+                    switch=None) -> dict[int, tuple[float, float, float]]:
+    """The amx format's whole steps with attention on the tiles against the same steps with fp32 attention, one
+    model in one process, the two settings alternated round by round (``switch(on)``, default
+    ``native.set_attention_on_tiles``), each round's order turned: per size of ``ATTENTION_SIZES``, (the median ms
+    on the tiles, the median ms in fp32, the median of the rounds' ratios). ``model``: prepared in the fast mode."""
+    switch = switch or native.set_attention_on_tiles
+    bench = StepBench(model, ATTENTION_SIZES, prefix)
+    times: dict[bool, dict[int, list[float]]] = {on: {n: [] for n in ATTENTION_SIZES} for on in (True, False)}
+    try:
+        for r in range(rounds + 1):
+            for on in ((True, False) if r % 2 else (False, True)):
+                switch(on)
+                got = bench.time_round(block)
+                if r:  # the first round is uncounted: the threads' start, cold caches
+                    for n in ATTENTION_SIZES:
+                        times[on][n].append(statistics.median(got[n]))
+    finally:
+        switch(True)
+    med = statistics.median
+    return {n: (med(times[True][n]), med(times[False][n]), med(a / b for a, b in zip(times[True][n], times[False][n])))
+            for n in ATTENTION_SIZES}
+
+
+def show_attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8) -> str:
+    """``attention_pairs`` as lines, for ``--attention``; a sentence where the fast mode does not run the amx
+    format with attention on the tiles here."""
+    prepared = copy.deepcopy(model)
+    prepare_model(prepared, "fast")
+    plan = plan_of(prepared)
+    if plan is None or plan.fmt != "amx" or native.attention_on_tiles() is None:
+        return (f"attention on AMX tiles: not run here (the fast mode's format: {plan.fmt if plan else 'torch'}; "
+                "attention on the tiles needs the amx format, a CPU with amx_tile and amx_bf16 and the kernel's grant)")
+    pairs = attention_pairs(prepared, prefix, rounds)
+    context = bench_prefix(prepared, ATTENTION_SIZES, prefix)[0]
+    lines = [f"fast (amx), whole steps at a {context}-token context, attention on the tiles against fp32 "
+             f"attention, alternated in {rounds} rounds (ms, medians; the ratio is the median of the rounds' own):"]
+    lines += [f"  N={n:3d}: tiles {a:6.1f}  fp32 {b:6.1f}  tiles/fp32 {r:.2f}" for n, (a, b, r) in pairs.items()]
+    for on, name in ((0, "tiles"), (1, "fp32 ")):
+        one = pairs[1][on]
+        lines.append(f"  {name} " + ", ".join(f"t({n})/t(1) {pairs[n][on] / one:.2f}" for n in ATTENTION_SIZES[1:]))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tr_core.speed.calibrate --show [--mode exact|fast] [--remeasure]``: the kernels chosen on this
-    machine for the embedded model, whether they are batch-invariant here, the machine's read bandwidth, and each mode's
-    plain step against the time its weights take to stream, and t(16)/t(1) against its floor here."""
+    """``python -m tr_core.speed.calibrate --show [--mode exact|fast] [--remeasure] [--attention CONTEXT]``: the
+    kernels chosen on this machine for the embedded model, whether they are batch-invariant here, the machine's read
+    bandwidth, and each mode's plain step against the time its weights take to stream, and t(16)/t(1) against its
+    floor here; with ``--attention``, the amx format's steps with attention on the tiles against fp32 attention."""
 
     p = argparse.ArgumentParser(prog="python -m tr_core.speed.calibrate", description=main.__doc__)
     p.add_argument("--show", action="store_true", help="print the chosen kernel table (measured once, then cached)")
     p.add_argument("--mode", choices=MODES, action="append", help="one mode (default: both)")
     p.add_argument("--model", default=None, help="hub id or folder (default: the embedded model)")
     p.add_argument("--remeasure", action="store_true", help="time the layouts again (and cache the new timings)")
+    p.add_argument("--attention", type=int, metavar="CONTEXT", action="append",
+                   help="the amx format's whole steps with attention on the tiles against fp32 attention, side by "
+                        "side, at a cache of CONTEXT tokens (repeatable)")
     args = p.parse_args(argv)
-    if not args.show:
-        p.error("nothing to do: pass --show")
+    if not args.show and not args.attention:
+        p.error("nothing to do: pass --show or --attention CONTEXT")
     model, _ = load_model(args.model, dtype=torch.float32)
+    for context in args.attention or ():
+        print(show_attention_pairs(model, context))
+    if not args.show:
+        return 0
     for mode in args.mode or MODES:
         print(show_kernels(model, mode, remeasure=args.remeasure))
     bandwidth = read_bandwidth_gbs()
