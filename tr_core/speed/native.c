@@ -791,22 +791,17 @@ static void attend_tiles64(const float *q, int B, const uint16_t *kt, const uint
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            _tile_loadd(6, k, 64);
-            _tile_loadd(7, k + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(0, 5, 7);
-            _tile_loadd(6, k + 1024, 64);
-            _tile_loadd(7, k + 1536, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_dpbf16ps(1, 5, 7);
-            _tile_loadd(6, k + 2048, 64);
-            _tile_loadd(7, k + 2560, 64);
-            _tile_dpbf16ps(2, 4, 6);
-            _tile_dpbf16ps(2, 5, 7);
-            _tile_loadd(6, k + 3072, 64);
-            _tile_loadd(7, k + 3584, 64);
-            _tile_dpbf16ps(3, 4, 6);
-            _tile_dpbf16ps(3, 5, 7);
+/* block i's scores into accumulator i: its two B tiles (dims 0-31, then 32-63) against the queries in tmm4-5 */
+#define SCORES(i)                                                                                                  \
+    _tile_loadd(6, k + 1024 * (i), 64);                                                                            \
+    _tile_loadd(7, k + 1024 * (i) + 512, 64);                                                                      \
+    _tile_dpbf16ps(i, 4, 6);                                                                                       \
+    _tile_dpbf16ps(i, 5, 7);
+            SCORES(0)
+            SCORES(1)
+            SCORES(2)
+            SCORES(3)
+#undef SCORES
             _tile_stored(0, w + 16 * b, len * 4);
             _tile_stored(1, w + 16 * b + 16, len * 4);
             _tile_stored(2, w + 16 * b + 32, len * 4);
