@@ -381,7 +381,8 @@ class LeanLlama:
         tiles = (None, 0, 0)  # the amx format's attention lays the tiles of the keys afresh in each layer's call
         if found is not None:
             past, pointers = found
-            if f16 == KERNEL_CODES["amx"] and native.attention_on_tiles() is not None:  # or keeps them with the cache
+            # or keeps them with the cache (attention on the tiles takes heads of 64: native.c's attend_amx)
+            if f16 == KERNEL_CODES["amx"] and dim == 64 and native.attention_on_tiles() is not None:
                 tiles = kv.tiles_for(cache, rows.start)
         else:
             like = hidden.new_empty(1, kv_heads, n, dim)
