@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from tr_core.speed import attention, kernels, lean, native
 from tr_core.speed.chooser import prepare_model
 from tr_core.speed.kernels import body, kernel_summary
-from tr_core.speed.kv import new_cache
+from tr_core.speed.kv import keep_accepted_path, new_cache
 
 HAS_COMPILER = bool(shutil.which("gcc") or shutil.which("cc"))
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine: torch's operations run")
@@ -409,6 +409,8 @@ def test_the_amx_format_attends_on_tiles_kept_with_the_cache_as_on_tiles_laid_af
             tree[0, 0, node, [200 + s for s in seen]] = 0
         out.append(forward(input_ids=ids[:, 200:203], position_ids=torch.tensor([[200, 201, 201]]),
                            attention_mask=tree, cache=cache).last_hidden_state)
+        keep_accepted_path(cache, 200, 3, torch.tensor([0, 2]))  # the second child moved over the first
+        out += [forward(input_ids=ids[:, p:p + 1], cache=cache).last_hidden_state for p in range(202, 210)]
         # below the tiles laid up to 192: those of 128..191 must be laid again from other keys
         cache.crop(150 - cache.get_seq_length())
         out += [forward(input_ids=other[:, p:p + 1], cache=cache).last_hidden_state for p in range(150, 270)]

@@ -312,7 +312,7 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     kind = PEAK_OF_FORMAT.get(fmt)
 
     # attention's products: fp32 multiply-adds, or tile products where the amx format attends on the tiles
-    tiles = fmt == "amx" and native.attention_on_tiles() is not None
+    tiles = fmt == "amx" and native.attention_on_tiles() is not None and getattr(body(prepared), "_on_tiles", bool)()
     attention_kind = "fp32 multiply-adds" if not tiles else PEAK_KINDS["amx"][2]
 
     def peaks() -> tuple[float | None, float | None]:  # the format's instruction's; attention's
@@ -339,7 +339,9 @@ def attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8, block:
     """The amx format's whole steps with attention on the tiles against the same steps with fp32 attention, one
     model in one process, the two settings alternated round by round (``switch(on)``, default
     ``native.set_attention_on_tiles``), each round's order turned: per size of ``ATTENTION_SIZES``, (the median ms
-    on the tiles, the median ms in fp32, the median of the rounds' ratios). ``model``: prepared in the fast mode."""
+    on the tiles, the median ms in fp32, the median of the rounds' ratios). ``model``: prepared in the fast mode. The
+    setting is left as it was (with ``switch`` given: on)."""
+    after = True if switch else native.attention_on_tiles() is not None
     switch = switch or native.set_attention_on_tiles
     bench = StepBench(model, ATTENTION_SIZES, prefix)
     times: dict[bool, dict[int, list[float]]] = {on: {n: [] for n in ATTENTION_SIZES} for on in (True, False)}
@@ -352,7 +354,7 @@ def attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8, block:
                     for n in ATTENTION_SIZES:
                         times[on][n].append(statistics.median(got[n]))
     finally:
-        switch(True)
+        switch(after)
     med = statistics.median
     return {n: (med(times[True][n]), med(times[False][n]), med(a / b for a, b in zip(times[True][n], times[False][n])))
             for n in ATTENTION_SIZES}

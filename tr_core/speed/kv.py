@@ -221,6 +221,10 @@ def keep_accepted_path(cache: DynamicCache, past_len: int, tree_size: int, path:
     if tree_size == kept:
         return
     moved = path.tolist() != list(range(kept))
+    if moved:  # positions from past_len on are written over: what the AMX tiles were laid from ends there
+        for layer in cache.layers:
+            if hasattr(layer, "shortest"):
+                layer.shortest = min(layer.shortest, past_len)
     if _store_length(cache) is not None:  # all layers at once: one gather, one write, then each layer's views cut
         store = cache.kv_store
         if moved:

@@ -318,7 +318,8 @@ class LeanLlama:
         """Whether attention runs on AMX tiles (``native.attention_on_tiles``): in the amx format, as ``tr_layers``
         does for it, so a pass made call by call has the same bits as one made in one call."""
         qkv = getattr(self.base.layers[0].self_attn, FUSED[0][1], None) if len(self.base.layers) else None
-        return getattr(qkv, "fmt", None) == "amx" and native.attention_on_tiles() is not None
+        return (getattr(qkv, "fmt", None) == "amx" and self.head_dim == 64  # native.c's attend_amx takes heads of 64
+                and native.attention_on_tiles() is not None)
 
     def _program(self, n: int):
         """For passes of ``n`` rows: (per layer the pointers tr_layers reads, as an int64 tensor (layers, 6); the
@@ -378,12 +379,8 @@ class LeanLlama:
         found = None
         if store is not None and store.dtype == torch.float32 and store.shape[1::2] == (kv_heads, dim):
             found = kv.extend_on_store(cache, n)
-        tiles = (None, 0, 0)  # the amx format's attention lays the tiles of the keys afresh in each layer's call
         if found is not None:
             past, pointers = found
-            # or keeps them with the cache (attention on the tiles takes heads of 64: native.c's attend_amx)
-            if f16 == KERNEL_CODES["amx"] and dim == 64 and native.attention_on_tiles() is not None:
-                tiles = kv.tiles_for(cache, rows.start)
         else:
             like = hidden.new_empty(1, kv_heads, n, dim)
             held, past = [], None
@@ -399,6 +396,10 @@ class LeanLlama:
             pointers = torch.tensor(held, dtype=torch.int64)  # held until the call returns
         if rows.keys != past + n:
             raise ValueError(f"rows laid out for {rows.keys} keys; the cache holds {past + n}")
+        tiles = (None, 0, 0)  # the amx format's attention lays the tiles of the keys afresh in each layer's call,
+        # or keeps them with a cache on one store (taken just before the call: once taken, they count as laid)
+        if found is not None and f16 == KERNEL_CODES["amx"] and self._on_tiles():
+            tiles = kv.tiles_for(cache, rows.start)
         sizes = (kv_heads * padded * dim, n * (heads + 2 * kv_heads) * dim, n * heads * dim, n * d, n * 2 * inter,
                  n * inter, n * d)
         work = hidden.new_empty(sum(sizes) + n * d)

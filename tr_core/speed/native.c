@@ -1042,7 +1042,7 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define ATTEND(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, dim, out, threads) \
-    (f16 == 3 && attend_tiles && dim == 64 && tr_amx_ready()                                                     \
+    (f16 == 3 && attend_tiles && dim == 64 && start % BLOCK == 0 && tr_amx_ready()                             \
          ? attend_amx(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, out, threads, \
                       tiles ? (uint16_t *)tiles[l] : NULL, cap, tiled_from)                                       \
          : tr_attend(queries, padded, keys, values, stride, start, index, valid, n, group, kv_heads, dim, out,     \

@@ -195,6 +195,7 @@ def set_attention_on_tiles(on: bool) -> bool:
     """Turn the amx format's attention on tiles on (where it is built and passed its check: the default) or off (it
     then runs ``tr_attend``, fp32, as the other formats do), for the whole process: for side-by-side timings and
     tests. Returns whether it is on. A model's plan measured one way is not re-measured the other way."""
+    library()  # loaded first: loading turns it on
     on = bool(on) and "tr_attend_amx" in _OPTIONAL_HERE and "tr_attend_tiles" in _OPTIONAL_HERE
     if "tr_attend_tiles" in _OPTIONAL_HERE:
         _OPTIONAL_HERE["tr_attend_tiles"](int(on))
