@@ -142,8 +142,9 @@ def test_a_plan_s_native_tiles_are_packed_on_advised_pages_and_the_summary_says_
     monkeypatch.setattr(pages, "_mapping", lambda size: made.append(size) or advise(size))
     plain = prepared()
     # no mapping advised for it, and none of its tiles in the mappings of the placed model's (the flags of the memory
-    # the allocator gives are not checked: another library's MADV_HUGEPAGE on a buffer it later freed to malloc
-    # marks that part of the heap, and the suite once put a tile there after many other tests)
+    # the allocator gives are not checked: after many other tests the suite once found a tile of this model on memory
+    # marked for huge pages, not by this code; the likeliest reason, unconfirmed, is other code's MADV_HUGEPAGE on a
+    # buffer it later freed to malloc, which keeps its mark)
     advised = [mapping_of(t.data_ptr())[0].split(None, 1)[0].split("-") for t in tiles] if pages.available() else []
     spans = [(int(lo, 16), int(hi, 16)) for lo, hi in advised]
     assert not made
