@@ -29,15 +29,18 @@ needs_thp = pytest.mark.skipif(not pages.available(),
 
 
 def test_outside_the_block_empty_is_torch_empty(monkeypatch):
+    # what the code does: no advised mapping made, outside the block or where the system has no huge pages (the flags
+    # of the memory malloc gives are not checked: the fast tier once found the process's [heap] itself marked for
+    # huge pages, by other code)
+    made, advise = [], pages._mapping
+    monkeypatch.setattr(pages, "_mapping", lambda size: made.append(size) or advise(size))
     t = pages.empty((700, 1024), torch.float32)
     assert t.shape == (700, 1024) and t.dtype == torch.float32 and t.is_contiguous()
-    found = mapping_of(t.data_ptr())
-    assert found is None or "hg" not in found[1]
+    assert not made
     monkeypatch.setattr(pages, "available", lambda: False)
     with pages.huge_pages():
         u = pages.empty((700, 1024), torch.float32)
-    found = mapping_of(u.data_ptr())
-    assert found is None or "hg" not in found[1]
+    assert u.shape == (700, 1024) and not made
 
 
 @needs_thp
