@@ -39,6 +39,13 @@ static float dot(const float *a, const float *b, int d) {
     return sum_lanes(acc);
 }
 
+/* Row-wise work shared among the threads only from this many floats a call (below, one thread does it: waking the
+ * others costs more than they save, and the next call then reads what both threads wrote): tr_layers' norms, rotary
+ * embedding and SiLU, and the AMX linear layer's rounding of its inputs. */
+#ifndef SMALL_OPS_SHARED
+#define SMALL_OPS_SHARED (1 << 15)
+#endif
+
 /* exp(x), ~2 ulp from -87 to 88: range reduction by ln 2, a degree-6 polynomial, the power of two put in by its
  * bits; 0 below -87, e^88 up to 88.7, infinity above, NaN kept. Branch-free, so the loops calling it vectorise. */
 static inline float exp_small(float x) {
@@ -691,6 +698,18 @@ static int64_t l2_cache_bytes(void) {
     return bytes;
 }
 
+/* A row of `in` inputs rounded to bf16 (to nearest even) at h, zeros past in up to the next multiple of 32. */
+static void amx_round_row(const float *xr, int in, uint16_t *h) {
+    int i = 0;
+    for (; i + 32 <= in; i += 32)
+        _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
+    if (i < in) {
+        float part[32] = {0};
+        memcpy(part, xr + i, sizeof(float) * (in - i));
+        _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(part + 16), _mm512_loadu_ps(part)));
+    }
+}
+
 /* The calling thread's buffer for a call's inputs rounded to bf16 (grown, never shrunk; one per thread that calls). */
 static _Thread_local uint16_t *amx_rows;
 static _Thread_local size_t amx_rows_size;
@@ -713,23 +732,18 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
      * smaller ones (the body's, read by the next call) stay in the cache. The values are the same either way. */
     int stream = (int64_t)n * out * 4 > l2_cache_bytes();
     memset((char *)a + (size_t)n * lda, 0, (size_t)(mt * 16 - n) * lda); /* the padding rows: zeros */
+    /* each row's inputs rounded to bf16, zeros past in (written whole: kb runs of 32): the rows shared out among the
+     * threads where the inputs pass SMALL_OPS_SHARED floats, else by this thread before they start (no barrier) */
+    int share = (int64_t)n * in > SMALL_OPS_SHARED;
+    if (!share)
+        for (int r = 0; r < n; r++)
+            amx_round_row(x + (int64_t)r * in, in, (uint16_t *)((char *)a + r * lda));
     _Pragma("omp parallel num_threads(threads)")
     {
-        /* each row's inputs rounded to bf16, zeros past in (written whole: kb runs of 32), the rows shared out */
-        _Pragma("omp for schedule(static)")
-        for (int r = 0; r < n; r++) {
-            const float *xr = x + (int64_t)r * in;
-            uint16_t *h = (uint16_t *)((char *)a + r * lda);
-            int i = 0;
-            for (; i + 32 <= in; i += 32)
-                _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16),
-                                                                        _mm512_loadu_ps(xr + i)));
-            if (i < in) {
-                float part[32] = {0};
-                memcpy(part, xr + i, sizeof(float) * (in - i));
-                _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(part + 16),
-                                                                        _mm512_loadu_ps(part)));
-            }
+        if (share) {
+            _Pragma("omp for schedule(static)")
+            for (int r = 0; r < n; r++)
+                amx_round_row(x + (int64_t)r * in, in, (uint16_t *)((char *)a + r * lda));
         }
         amx_configure();
         float c[32 * 32];
@@ -1052,7 +1066,6 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
 /* tr_layers' small operations over many rows: the rows shared among `threads` threads in runs of whole rows where
  * the call's floats pass SMALL_OPS_SHARED (fewer: one thread, as waking the others costs more than they save). Each
  * row is computed by the same function from its own inputs alone, so its bits do not depend on the split. */
-#define SMALL_OPS_SHARED (1 << 15)
 #define SPLIT_ROWS(n, width, threads, ...)                                                                         \
     do {                                                                                                           \
         int parts_ = (int64_t)(n) * (width) > SMALL_OPS_SHARED && (threads) > 1 ? (threads) : 1;                   \
