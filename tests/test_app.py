@@ -1041,29 +1041,37 @@ def test_the_readmes_race_helper_runs_against_the_app(served, capsys):
 def test_live_and_the_race_agree_on_one_speedup(client):
     """The same prompt and settings through Live and the race: one speedup definition, and Live's speedup (one run
     against plain decoding of the same length, timed after it; three such runs, their median, as the race reports
-    the median of its three rounds) inside the race's range of rounds widened by 0.1 (issue 46). When Live
+    the median of its three rounds) inside the races' range of rounds widened by 0.1 (issue 46). When Live
     interleaved plain decoding step by step it read 1.13-1.19x against a race of 1.22-1.23x here, and CI failed this
     check with a narrower margin (1.17x against 1.22-1.24x): the lanes changed each other's speed
-    (ui.run.PlainAlongside). With two runs and their mean, CI once failed it on one slow run of a busy host (1.06x
-    and 1.27x, mean 1.17x, against a race of 1.31-1.35x); a single run of 32 tokens is half a second, so one
-    outlier of the host is one run, and the median of three stands on the other two."""
+    (ui.run.PlainAlongside). The host's speed drifts by up to 30% from one minute to the next, and a race measured
+    after Live alone put Live's runs in one spell and the race in another (CI: 1.06x and 1.27x against 1.31-1.35x;
+    in the browser, 1.35x and 1.22x against 1.03-1.13x). So one race runs before Live and one after, and the band is
+    the range of all their rounds: the host's drift over Live's runs is inside it, a bias of Live's is not."""
+    def race():
+        return client.predict(PROMPT, 32, "small", 8, True, "", "exact", ["tr"], api_name="/race")[-1]
+
+    races = [race()]
     lives = []
     for _ in range(3):
         client.predict(api_name="/reset")  # Live from the shipped hot start, as the race starts every method
         lives.append(client.predict(PROMPT, 32, "small", 8, True, "", "exact", "tr", api_name="/live")[
             LIVE["run_summary"]])
-    race = client.predict(PROMPT, 32, "small", 8, True, "", "exact", ["tr"], api_name="/race")[-1]
-    assert all(live["speedup_definition"] == race["speedup_definition"] == SPEEDUP_DEFINITION for live in lives)
-    low, high = race["methods"]["tr"]["speedup_range"]
+    races.append(race())
+    assert all(live["speedup_definition"] == SPEEDUP_DEFINITION for live in lives)
+    assert all(r["speedup_definition"] == SPEEDUP_DEFINITION for r in races)
+    low = min(r["methods"]["tr"]["speedup_range"][0] for r in races)
+    high = max(r["methods"]["tr"]["speedup_range"][1] for r in races)
     speedups = sorted(r["speedup"] for r in lives)
     median = speedups[1]
-    print(f"live {median:.2f}x ({', '.join(f'{s:.2f}' for s in speedups)}); race "
-          f"{race['methods']['tr']['speedup']:.2f}x ({low:.2f}-{high:.2f})")
-    assert low - 0.1 <= median <= high + 0.1, (lives, race["methods"]["tr"])
+    print(f"live {median:.2f}x ({', '.join(f'{s:.2f}' for s in speedups)}); races "
+          + ", ".join(f"{r['methods']['tr']['speedup']:.2f}x ({r['methods']['tr']['speedup_range'][0]:.2f}-"
+                      f"{r['methods']['tr']['speedup_range'][1]:.2f})" for r in races))
+    assert low - 0.1 <= median <= high + 0.1, (lives, [r["methods"]["tr"] for r in races])
     live = lives[1]
-    assert live["tokens_per_forward_pass"] == race["methods"]["tr"]["tokens_per_forward_pass"]
+    assert all(live["tokens_per_forward_pass"] == r["methods"]["tr"]["tokens_per_forward_pass"] for r in races)
     assert live["matrix_history"] == "the shipped hot start, no run of yours yet"
-    assert race["matrix_history"].startswith("the same matrix for every method")
+    assert all(r["matrix_history"].startswith("the same matrix for every method") for r in races)
 
 
 @pytest.fixture()

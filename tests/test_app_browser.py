@@ -348,15 +348,39 @@ def test_a_refused_prompt_gets_a_clear_message_and_the_next_run_works(browser, s
 
 def test_lives_speedup_with_the_page_open_agrees_with_the_race(browser, served, shots):  # noqa: F811
     """The default Live run, watched in a browser on the machine that decodes, measures about the speedup the race
-    measures for the same prompt and settings: within the race's range over its rounds, widened by 0.1 (issue 46);
+    measures for the same prompt and settings: within the races' range over their rounds, widened by 0.1 (issue 46);
     two Live runs from the shipped hot start (Reset between them: a run teaches the matrix), their mean. Live times
     plain decoding after the run, each lane waiting out the browser's drawing of each frame and warming the cores
     before its next step (ui.run.PlainAlongside, ui.quiet); before that one run read 0.73-0.90x here where the race
-    read 1.03-1.19x; with it, runs read 1.04-1.09x against races of 1.08-1.13x and 1.09-1.18x."""
+    read 1.03-1.19x; with it, runs read 1.04-1.09x against races of 1.08-1.13x and 1.09-1.18x. The host's speed
+    drifts by up to 30% from one minute to the next: with one race after Live, CI once read Live at 1.35x and 1.22x
+    against a race of 1.03-1.13x. So one race runs before Live and one after, and the band is the range of all their
+    rounds: the host's drift over Live's runs is inside it, a bias of Live's (the 0.2-0.3 above) is not."""
     page = browser.new_page(viewport={"width": 1366, "height": 900})
     page.goto(served)
     page.wait_for_selector("#run")
     page.wait_for_timeout(1000)
+    race_tab, live_tab = (page.get_by_role("tab", name=re.compile(f"^{name}")) for name in ("Race", "Live"))
+    race_tab.click()
+    wait_for(page, "p => document.querySelector('#race-prompt textarea')?.value === p", 10, PROMPT)
+    # the race's tr lane alone beside plain's: each method runs on its own in the race, so the others' lanes would
+    # change only the test's length (about half of it), not tr's range
+    for label, name in method_choices(DEFAULT_RACE):
+        if name != "tr":
+            page.locator("#race-methods").get_by_label(label, exact=True).uncheck()
+
+    def race() -> tuple[float, float]:
+        page.evaluate("() => document.querySelectorAll('#race-table tr[data-method]')"
+                      ".forEach(r => r.setAttribute('data-seen', '1'))")  # a new race writes rows without it
+        page.click("#race-run")
+        wait_for(page, "() => !!document.querySelector('#race-table tr[data-method=tr]:not([data-seen])')", 300,
+                 polling=500)
+        assert page.locator("#race-table tr[data-method]").count() == 2, "the race ran plain and tr only"
+        row = page.locator("#race-table tr[data-method=tr]")
+        return tuple(float(row.get_attribute(f"data-speedup-{end}")) for end in ("low", "high"))
+
+    ranges = [race()]
+    live_tab.click()
     lives = []
     for _ in range(2):
         page.click("#reset")  # the shipped hot start, as the race starts every method
@@ -367,22 +391,13 @@ def test_lives_speedup_with_the_page_open_agrees_with_the_race(browser, served, 
         lives.append(float(page.locator('#counters .tr-stat[data-key="speedup"]').get_attribute("data-value")))
     live = sum(lives) / 2
     passes = page.locator('#counters .tr-stat[data-key="tokens_per_pass"]').get_attribute("data-value")
-    page.get_by_role("tab", name=re.compile("^Race")).click()
-    wait_for(page, "p => document.querySelector('#race-prompt textarea')?.value === p", 10, PROMPT)
-    # the race's tr lane alone beside plain's: each method runs on its own in the race, so the others' lanes would
-    # change only the test's length (about half of it), not tr's range
-    for label, name in method_choices(DEFAULT_RACE):
-        if name != "tr":
-            page.locator("#race-methods").get_by_label(label, exact=True).uncheck()
-    page.click("#race-run")
-    wait_for(page, "() => !!document.querySelector('#race-table tr[data-method=tr]')", 300, polling=500)
-    assert page.locator("#race-table tr[data-method]").count() == 2, "the race ran plain and tr only"
-    row = page.locator("#race-table tr[data-method=tr]")
-    low, high = (float(row.get_attribute(f"data-speedup-{end}")) for end in ("low", "high"))
-    print(f"Live with the page open: {live:.2f}x ({lives}) at {passes} tokens per pass; the race: "
-          f"{low:.2f}-{high:.2f}x")
+    race_tab.click()
+    ranges.append(race())
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    print(f"Live with the page open: {live:.2f}x ({lives}) at {passes} tokens per pass; the races before and "
+          f"after: {', '.join(f'{a:.2f}-{b:.2f}x' for a, b in ranges)}")
     page.screenshot(path=shots / "12_live_vs_race.png", full_page=True)
-    assert low - 0.1 <= live <= high + 0.1, (lives, low, high)
+    assert low - 0.1 <= live <= high + 0.1, (lives, ranges)
     page.close()
 
 
