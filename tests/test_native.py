@@ -271,9 +271,13 @@ def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(
     torch.testing.assert_close(full.double(), product, rtol=1e-5, atol=1e-5 * x.abs().max().item())
     threads = torch.get_num_threads()
     set_fetch = native._OPTIONAL_HERE["tr_fetch_from_rows"]
+    set_share = native._OPTIONAL_HERE.get("tr_small_ops_shared", lambda floats: None)
     try:
-        for fetch in (2, native.NEVER):  # the kernels prefetching their weights from 2 rows, or never: the same bits
+        # the kernels prefetching their weights from 2 rows or never, the AMX layer's inputs rounded by the threads
+        # together at every size or by one (native.choose_sharing): the same bits
+        for fetch, share in ((2, 0), (native.NEVER, native.SHARE_NEVER)):
             set_fetch(fetch)
+            set_share(share)
             for count in (1, threads):
                 torch.set_num_threads(count)
                 for rows in (*range(1, 26), 33, 47, 81):  # each kernel (1-12 rows) alone and after 12; AMX tiles
@@ -283,6 +287,7 @@ def test_the_c_linear_computes_its_product_and_each_row_alone_whatever_the_rows(
     finally:
         torch.set_num_threads(threads)
         set_fetch(native._FETCH["rows"])
+        set_share(native._SHARING["floats"])
     with pytest.raises(ValueError):
         layout.run(x.double(), packed)
     with pytest.raises(ValueError):
@@ -363,8 +368,21 @@ def test_a_pass_in_one_c_call_equals_the_same_calls_made_from_python(monkeypatch
     moved = run()
     assert len(calls) == 6 and not torch.equal(moved[0], in_c[0])
     monkeypatch.setattr(lean.LeanLlama, "stacked", False)
-    for a, b in zip(moved, run()):
+    reference = run()
+    for a, b in zip(moved, reference):
         assert torch.equal(a, b)
+    # the small operations shared among the threads at every size and at none (the choice native.choose_sharing
+    # makes per machine): the same bits in one call
+    set_share = native._OPTIONAL_HERE.get("tr_small_ops_shared")
+    if set_share is not None:
+        monkeypatch.setattr(lean.LeanLlama, "stacked", True)
+        try:
+            for floats in (0, native.SHARE_NEVER):
+                set_share(floats)
+                for a, b in zip(run(), reference):
+                    assert torch.equal(a, b), floats
+        finally:
+            set_share(native._SHARING["floats"])
     # where the bare calls score worse, the layouts stay those chosen call by call, and no pass runs in one call
     for other in others:
         slower = layouts.make_plan(mode, timings, counts, (name, other), invariant={s: [name, other] for s in counts},
@@ -432,6 +450,30 @@ def test_the_amx_format_attends_on_tiles_kept_with_the_cache_as_on_tiles_laid_af
     torch.testing.assert_close(kept[-1], fp32[-1], rtol=0.1, atol=0.1)
 
 
+def test_the_small_operations_are_shared_from_the_fewest_rows_where_sharing_measurably_pays_beyond():
+    """``choose_sharing`` on stubbed timings: from the fewest rows of SHARE_ROWS from which sharing pays at every
+    larger count (a gain at 6 rows alone, inside a loss at 11, is noise), never where it stays inside SHARE_GAIN; the
+    pairs alternate which runs first; the choice is keyed into the timing caches and said in the kernels' line."""
+    calls = []
+
+    def stub(ratio_at: dict):
+        def timed(shared, rows):
+            calls.append(shared)
+            return 10.0 * (ratio_at.get(rows, 1.0) if shared else 1.0)
+        return timed
+
+    width = native.SHARE_WIDTH
+    assert native.choose_sharing(stub({3: 0.5, 6: 0.5, 11: 0.5, 22: 0.5, 43: 0.5}))[0] == 3 * width - 1
+    assert native.choose_sharing(stub({6: 0.8, 11: 1.1, 22: 0.9, 43: 0.8})) == (
+        22 * width - 1, "3 rows 1.00x, 6 rows 0.80x, 11 rows 1.10x, 22 rows 0.90x, 43 rows 0.80x")
+    assert native.choose_sharing(stub({rows: 0.98 for rows in native.SHARE_ROWS}))[0] == native.SHARE_NEVER
+    assert native.choose_sharing(stub({3: 0.5, 43: 1.2}))[0] == native.SHARE_NEVER  # not at the most rows: never
+    assert calls[:4] == [True, False, False, True]
+    if native.library() is not None and "tr_silu_mul_rows" in native._OPTIONAL_HERE:
+        assert native.tag().endswith(f"s{native._SHARING['floats']}")
+        assert "measured here" in native.sharing_note() or "one thread" in native.sharing_note()
+
+
 def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays():
     """``choose_fetch`` on stubbed timings: from 5 rows where a 6-row call gains, from 9 where only a 12-row call
     does, never where the gain stays inside FETCH_GAIN; the pairs alternate which setting runs first."""
@@ -449,4 +491,4 @@ def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays(
     assert calls[:4] == [5, native.NEVER, native.NEVER, 5]
     if native.library() is not None and "tr_fetch_from_rows" in native._OPTIONAL_HERE:
         # chosen on this machine when the library loaded, said in the kernels' line and keyed into the timing caches
-        assert native.tag().endswith(f"p{native._FETCH['rows']}") and "measured here" in native.fetch_note()
+        assert f"p{native._FETCH['rows']}" in native.tag() and "measured here" in native.fetch_note()

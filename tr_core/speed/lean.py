@@ -253,10 +253,9 @@ class LeanLlama:
             return "torch's operations (the native calls take fp32 activations and SiLU)"
         if native.library() is None:
             return f"torch's operations (native calls {native.status()})"
-        fetch = native.fetch_note()
+        notes = "".join(f"; {note}" for note in (native.fetch_note(), native.sharing_note()) if note)
         tiles = ", attention over the keys before its window on AMX tiles" if self._on_tiles() else ""
-        return ("native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU"
-                + f"{tiles})" + (f"; {fetch}" if fetch else ""))
+        return f"native calls built for this CPU (one call per norm, rotary embedding, attention, SiLU{tiles}){notes}"
 
     def _native(self, hidden: torch.Tensor):
         """``native.library()`` where this pass can run on it (fp32 activations, SiLU)."""

@@ -39,12 +39,16 @@ static float dot(const float *a, const float *b, int d) {
     return sum_lanes(acc);
 }
 
-/* Row-wise work shared among the threads only from this many floats a call (below, one thread does it: waking the
- * others costs more than they save, and the next call then reads what both threads wrote): tr_layers' norms, rotary
- * embedding and SiLU, and the AMX linear layer's rounding of its inputs. */
+/* Row-wise work is shared among the threads only past small_ops_shared floats a call (up to it, one thread does it:
+ * waking the others costs more than they save): tr_layers' norms, rotary embedding and SiLU, and the AMX linear
+ * layer's rounding of its inputs. Where that pays depends on the CPU and its threads: native.py times it where the
+ * library runs (tr_silu_mul_rows with and without sharing, ``choose_sharing``) and sets it (tr_small_ops_shared);
+ * until then SMALL_OPS_SHARED. A row is computed by the same function whichever thread runs it: the same bits. */
 #ifndef SMALL_OPS_SHARED
 #define SMALL_OPS_SHARED (1 << 15)
 #endif
+static int64_t small_ops_shared = SMALL_OPS_SHARED;
+void tr_small_ops_shared(int64_t floats) { small_ops_shared = floats; }
 
 /* exp(x), ~2 ulp from -87 to 88: range reduction by ln 2, a degree-6 polynomial, the power of two put in by its
  * bits; 0 below -87, e^88 up to 88.7, infinity above, NaN kept. Branch-free, so the loops calling it vectorise. */
@@ -733,8 +737,8 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
     int stream = (int64_t)n * out * 4 > l2_cache_bytes();
     memset((char *)a + (size_t)n * lda, 0, (size_t)(mt * 16 - n) * lda); /* the padding rows: zeros */
     /* each row's inputs rounded to bf16, zeros past in (written whole: kb runs of 32): the rows shared out among the
-     * threads where the inputs pass SMALL_OPS_SHARED floats, else by this thread before they start (no barrier) */
-    int share = (int64_t)n * in > SMALL_OPS_SHARED;
+     * threads where the inputs pass small_ops_shared floats, else by this thread before they start (no barrier) */
+    int share = (int64_t)n * in > small_ops_shared;
     if (!share)
         for (int r = 0; r < n; r++)
             amx_round_row(x + (int64_t)r * in, in, (uint16_t *)((char *)a + r * lda));
@@ -1064,11 +1068,11 @@ int tr_peak_products(int kind, int64_t rounds, int threads, float *sink) {
 }
 
 /* tr_layers' small operations over many rows: the rows shared among `threads` threads in runs of whole rows where
- * the call's floats pass SMALL_OPS_SHARED (fewer: one thread, as waking the others costs more than they save). Each
+ * the call's floats pass small_ops_shared (fewer: one thread, as waking the others costs more than they save). Each
  * row is computed by the same function from its own inputs alone, so its bits do not depend on the split. */
 #define SPLIT_ROWS(n, width, threads, ...)                                                                         \
     do {                                                                                                           \
-        int parts_ = (int64_t)(n) * (width) > SMALL_OPS_SHARED && (threads) > 1 ? (threads) : 1;                   \
+        int parts_ = (int64_t)(n) * (width) > small_ops_shared && (threads) > 1 ? (threads) : 1;                   \
         _Pragma("omp parallel for schedule(static) num_threads(parts_) if(parts_ > 1)")                            \
         for (int p_ = 0; p_ < parts_; p_++) {                                                                      \
             int r0 = (int)((int64_t)(n) * p_ / parts_), rows = (int)((int64_t)(n) * (p_ + 1) / parts_) - r0;       \
@@ -1085,6 +1089,11 @@ static void add_rms_norm_rows(float *x, const float *delta, const float *weight,
 static void silu_mul_rows(const float *gate_up, int n, int inter, float *act, int threads) {
     SPLIT_ROWS(n, 2 * inter, threads, tr_silu_mul(gate_up + (int64_t)r0 * 2 * inter, rows, inter,
                                                   act + (int64_t)r0 * inter));
+}
+
+/* silu_mul_rows on its own: the call native.py times, shared and not, to set small_ops_shared (choose_sharing). */
+void tr_silu_mul_rows(const float *gate_up, int n, int inter, float *act, int threads) {
+    silu_mul_rows(gate_up, n, inter, act, threads);
 }
 
 /* tr_rope_store of the fused q/k/v rows (qkv, `width` floats a row): rows r0.. go to queries' rows r0 * group on and

@@ -64,11 +64,15 @@ OPTIONAL = {"tr_linear_f16": [_P, _P, _I, _I, _I, _P, _I], "tr_linear_f32": [_P,
             # the CPU's peak rate of those layers' products (``peak_products``; returns an int)
             "tr_peak_products": [_I, _L, _I, _P],
             # from how many rows the linear layers prefetch their weights (``fetch_from_rows``: chosen here)
-            "tr_fetch_from_rows": [_I]}
+            "tr_fetch_from_rows": [_I],
+            # past how many floats a call the small operations are shared among the threads (``choose_sharing``:
+            # chosen here, by timing SiLU's rows shared and not)
+            "tr_small_ops_shared": [_L], "tr_silu_mul_rows": [_P, _I, _I, _P, _I]}
 # the functions that return something (the others return nothing)
 RETURNS = {"tr_peak_products": ctypes.c_int, "tr_amx_ready": ctypes.c_int}
 # optional functions no step calls: left out of the timing caches' tag (``tag``; the prefetch's choice is in it)
-UNTIMED = {"tr_peak_products", "tr_fetch_from_rows", "tr_amx_ready", "tr_attend_tiles"}
+UNTIMED = {"tr_peak_products", "tr_fetch_from_rows", "tr_amx_ready", "tr_attend_tiles", "tr_small_ops_shared",
+           "tr_silu_mul_rows"}
 # by the weights' dtype, and "amx" for bf16 weights in AMX tiles (``layouts.WeightTiles.kernel``)
 LINEAR = {torch.float16: "tr_linear_f16", torch.float32: "tr_linear_f32", torch.bfloat16: "tr_linear_bf16",
           "amx": "tr_linear_amx"}
@@ -166,6 +170,9 @@ def library():
     if "tr_fetch_from_rows" in _OPTIONAL_HERE:
         _FETCH.update(_fetch_choice(Path(lib._name)))
         _OPTIONAL_HERE["tr_fetch_from_rows"](_FETCH["rows"])
+    if "tr_silu_mul_rows" in _OPTIONAL_HERE:
+        _SHARING.update(_sharing_choice(Path(lib._name)))
+        _OPTIONAL_HERE["tr_small_ops_shared"](_SHARING["floats"])
     return lib
 
 
@@ -314,6 +321,89 @@ def _fetch_choice(library_path: Path) -> dict:
     return {"rows": rows, "why": why}
 
 
+# Past how many floats a call the small operations (norms, rotary embedding, SiLU, the AMX layer's rounding of its
+# inputs) are shared among the threads (native.c's small_ops_shared): measured once per built library and kept
+# beside it. SHARE_NEVER: never; SHARE_WIDTH, SHARE_ROWS: the SiLU call timed (rows of 2 x 1536 floats, the embedded
+# model's gate and up) and its row counts; SHARE_DEFAULT: native.c's until measured (SMALL_OPS_SHARED).
+SHARE_NEVER = (1 << 63) - 1
+SHARE_WIDTH = 2 * 1536
+SHARE_ROWS = (3, 6, 11, 22, 43)
+SHARE_GAIN = 0.97  # sharing is kept where it takes at most this share of the time on one thread
+SHARE_DEFAULT = 1 << 15
+_SHARING: dict = {"floats": SHARE_DEFAULT, "why": "not measured"}
+
+
+def choose_sharing(timed, pairs: int = 7) -> tuple[int, str]:
+    """Past how many floats a call the small operations should be shared among the threads: ``timed(shared, rows)``
+    (ms, SiLU over ``rows`` rows of SHARE_WIDTH floats, shared among the threads or on one) in ``pairs`` pairs per
+    row count of SHARE_ROWS, alternating which goes first; sharing pays at a row count where the median ratio is at
+    most SHARE_GAIN. It is kept from the fewest rows from which it pays at every larger count too (the floats just
+    under that call's: the row counts between the probes below it stay on one thread), else never (SHARE_NEVER).
+    Returns the floats and the measured ratios, in words.
+
+    >>> choose_sharing(lambda shared, rows: 1.0 if shared and rows >= 11 else 1.2 if shared else 1.1, pairs=3)
+    (33791, '3 rows 1.09x, 6 rows 1.09x, 11 rows 0.91x, 22 rows 0.91x, 43 rows 0.91x')
+    >>> choose_sharing(lambda shared, rows: 1.0, pairs=3)[0] == SHARE_NEVER
+    True
+    """
+    ratios = {}
+    for rows in SHARE_ROWS:
+        pair = []
+        for i in range(pairs):
+            if i % 2:
+                alone, shared = timed(False, rows), timed(True, rows)
+            else:
+                shared, alone = timed(True, rows), timed(False, rows)
+            pair.append(shared / alone)
+        ratios[rows] = statistics.median(pair)
+    said = ", ".join(f"{rows} rows {ratio:.2f}x" for rows, ratio in ratios.items())
+    paying = [rows for rows in SHARE_ROWS if all(ratios[r] <= SHARE_GAIN for r in SHARE_ROWS if r >= rows)]
+    return (paying[0] * SHARE_WIDTH - 1 if paying else SHARE_NEVER), said
+
+
+def _sharing_choice(library_path: Path) -> dict:
+    """``choose_sharing`` on this machine, on the threads torch uses, kept in a file beside the built library (so
+    measured once per library, CPU and thread count). One thread: nothing to share."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return {"floats": SHARE_NEVER, "why": "one thread: nothing to share"}
+    kept = library_path.with_suffix(f".share{threads}")
+    try:
+        floats, why = kept.read_text().split("\n", 1)
+        return {"floats": int(floats), "why": why}
+    except (OSError, ValueError):
+        pass
+    set_floats, silu = _OPTIONAL_HERE["tr_small_ops_shared"], _OPTIONAL_HERE["tr_silu_mul_rows"]
+    gate_up, act = torch.randn(max(SHARE_ROWS), SHARE_WIDTH), torch.empty(max(SHARE_ROWS), SHARE_WIDTH // 2)
+
+    def timed(shared: bool, rows: int) -> float:
+        set_floats(0 if shared else SHARE_NEVER)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            silu(gate_up.data_ptr(), rows, SHARE_WIDTH // 2, act.data_ptr(), threads)
+        return (time.perf_counter() - t0) * 1e3
+
+    timed(True, max(SHARE_ROWS))  # the first call pays for the threads' start
+    floats, said = choose_sharing(timed)
+    set_floats(floats)
+    why = f"measured here, SiLU's rows shared among {threads} threads against one: {said}"
+    try:
+        kept.write_text(f"{floats}\n{why}")
+    except OSError:
+        pass
+    return {"floats": floats, "why": why}
+
+
+def sharing_note() -> str:
+    """Past how many floats a call the small operations are shared among the threads here, and why
+    (``choose_sharing``), or "" where that is not chosen here."""
+    if library() is None or "tr_silu_mul_rows" not in _OPTIONAL_HERE:
+        return ""
+    floats = _SHARING["floats"]
+    said = f"past {floats:,} floats a call" if floats < SHARE_NEVER else "never"
+    return f"the norms, rotary embedding and SiLU are shared among the threads {said} ({_SHARING['why']})"
+
+
 def fetch_note() -> str:
     """What the linear kernels prefetch here and why (``choose_fetch``), or "" without them."""
     if library() is None or "tr_fetch_from_rows" not in _OPTIONAL_HERE:
@@ -329,8 +419,9 @@ def tag() -> str:
     if library() is None:
         return "torch"
     fetch = f"p{_FETCH['rows']}" if "tr_fetch_from_rows" in _OPTIONAL_HERE else ""
+    share = f"s{_SHARING['floats']}" if "tr_silu_mul_rows" in _OPTIONAL_HERE else ""
     return _SOURCE_TAG + "".join(n.removeprefix("tr_").removeprefix("linear_") for n in sorted(_OPTIONAL_HERE)
-                                 if n not in UNTIMED) + fetch
+                                 if n not in UNTIMED) + fetch + share
 
 
 def status() -> str:
@@ -369,6 +460,8 @@ def _optional_check(name: str, fn, lib) -> bool:
         return bool(fn())
     if name == "tr_attend_amx":
         return "tr_amx_ready" in _OPTIONAL_HERE and _attention_check(fn, lib.tr_attend)
+    if name == "tr_silu_mul_rows":
+        return "tr_small_ops_shared" in _OPTIONAL_HERE and _sharing_check(fn, lib.tr_silu_mul)
     if name not in LINEAR.values():
         return True
     kind = next(d for d, n in LINEAR.items() if n == name)
@@ -383,6 +476,24 @@ def _optional_check(name: str, fn, lib) -> bool:
         x = x.to(torch.bfloat16).float()
     return bool(torch.allclose(y, x @ w.float().t(), rtol=1e-5, atol=1e-5))
 
+
+
+def _sharing_check(fn, silu) -> bool:
+    """``tr_silu_mul_rows`` shared among the threads and on one against ``tr_silu_mul`` (checked by ``_self_check``):
+    the same bits (each row computed by the same call), on 23 rows, an odd split."""
+    set_floats, threads = _OPTIONAL_HERE["tr_small_ops_shared"], max(2, torch.get_num_threads())
+    gate_up = torch.randn(23, 2 * 301, generator=torch.Generator().manual_seed(0))
+    ref, out = torch.empty(23, 301), torch.empty(23, 301)
+    silu(gate_up.data_ptr(), 23, 301, ref.data_ptr())
+    same = True
+    try:
+        for floats in (0, SHARE_NEVER):
+            set_floats(floats)
+            fn(gate_up.data_ptr(), 23, 301, out.data_ptr(), threads)
+            same = same and torch.equal(out, ref)
+    finally:
+        set_floats(_SHARING["floats"])
+    return same
 
 
 def _attention_check(fn, fp32) -> bool:
