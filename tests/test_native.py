@@ -475,8 +475,10 @@ def test_the_small_operations_are_shared_from_the_fewest_rows_where_sharing_meas
 
 
 def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays():
-    """``choose_fetch`` on stubbed timings: from 5 rows where a 6-row call gains, from 9 where only a 12-row call
-    does, never where the gain stays inside FETCH_GAIN; the pairs alternate which setting runs first."""
+    """``choose_fetch`` on stubbed timings: from 1 row where every call gains, from 2 where a 3-row call gains and a
+    1-row one does not, from 5 where a 6-row call gains, from 9 where only a 12-row call does, and from a later
+    setting where an earlier one's gain is followed by a loss (an AMD EPYC's 2-4 rows); never where the gain stays
+    inside FETCH_GAIN; the pairs alternate which setting runs first."""
     calls = []
 
     def stub(gain_at: dict):
@@ -485,10 +487,14 @@ def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays(
             return 10.0 * (gain_at.get(rows, 1.0) if setting != native.NEVER else 1.0)
         return timed
 
+    assert native.choose_fetch(stub({1: 0.9, 3: 0.8, 6: 0.8, 12: 0.7}))[0] == 1
+    assert native.choose_fetch(stub({3: 0.8, 6: 0.8, 12: 0.7}))[0] == 2
     assert native.choose_fetch(stub({6: 0.8, 12: 0.7}))[0] == 5
-    assert native.choose_fetch(stub({6: 1.05, 12: 0.9})) == (9, "6 rows 1.05x, 12 rows 0.90x")
+    assert native.choose_fetch(stub({6: 1.05, 12: 0.9})) == (
+        9, "1 row 1.00x, 3 rows 1.00x, 6 rows 1.05x, 12 rows 0.90x")
+    assert native.choose_fetch(stub({1: 0.9, 3: 1.05, 6: 0.8, 12: 0.8}))[0] == 5
     assert native.choose_fetch(stub({6: 0.98, 12: 0.98}))[0] == native.NEVER  # inside the noise: not taken
-    assert calls[:4] == [5, native.NEVER, native.NEVER, 5]
+    assert calls[:4] == [1, native.NEVER, native.NEVER, 1]
     if native.library() is not None and "tr_fetch_from_rows" in native._OPTIONAL_HERE:
         # chosen on this machine when the library loaded, said in the kernels' line and keyed into the timing caches
         assert f"p{native._FETCH['rows']}" in native.tag() and "measured here" in native.fetch_note()

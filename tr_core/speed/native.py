@@ -166,7 +166,7 @@ def library():
             fn.argtypes, fn.restype = args, RETURNS.get(name)
             if _optional_check(name, fn, lib):  # one that fails its check is left out alone
                 _OPTIONAL_HERE[name] = fn
-    set_attention_on_tiles(True)
+    _turn_tiles(True)  # not set_attention_on_tiles: it loads the library first, and this call is that load
     if "tr_fetch_from_rows" in _OPTIONAL_HERE:
         _FETCH.update(_fetch_choice(Path(lib._name)))
         _OPTIONAL_HERE["tr_fetch_from_rows"](_FETCH["rows"])
@@ -203,6 +203,11 @@ def set_attention_on_tiles(on: bool) -> bool:
     then runs ``tr_attend``, fp32, as the other formats do), for the whole process: for side-by-side timings and
     tests. Returns whether it is on. A model's plan measured one way is not re-measured the other way."""
     library()  # loaded first: loading turns it on
+    return _turn_tiles(on)
+
+
+def _turn_tiles(on: bool) -> bool:
+    """``set_attention_on_tiles`` once the library's functions are known (``library`` calls it while it loads)."""
     on = bool(on) and "tr_attend_amx" in _OPTIONAL_HERE and "tr_attend_tiles" in _OPTIONAL_HERE
     if "tr_attend_tiles" in _OPTIONAL_HERE:
         _OPTIONAL_HERE["tr_attend_tiles"](int(on))
@@ -254,21 +259,25 @@ def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> fl
 # Where the linear kernels start to prefetch their weights (native.c's FETCH): measured once per built library and
 # kept beside it. NEVER: no kernel does; FETCH_ROWS: the row counts tried and the call each is timed with.
 NEVER = 13
-FETCH_ROWS = ((5, 6), (9, 12))  # from 5 rows (timed on 6 rows), from 9 (timed on 12)
+FETCH_ROWS = ((1, 1), (2, 3), (5, 6), (9, 12))  # from 1 row (timed on 1), from 2 (on 3), from 5 (on 6), from 9 (on 12)
 FETCH_GAIN = 0.97  # a prefetch is kept where it takes at most this share of the time without
 _FETCH: dict = {"rows": NEVER, "why": "not measured"}
 
 
 def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
-    """From how many rows the linear kernels should prefetch: the first of ``FETCH_ROWS`` whose call ``timed(setting,
-    rows)`` (ms, a call of ``rows`` rows with the kernels prefetching from ``setting`` rows) takes at most
-    ``FETCH_GAIN`` of its time without (``NEVER``), in ``pairs`` pairs alternating which goes first (the median
-    ratio); else NEVER. Returns it and the measured ratios, in words.
+    """From how many rows the linear kernels should prefetch: ``timed(setting, rows)`` (ms, a call of ``rows`` rows
+    with the kernels prefetching from ``setting`` rows) against the same call without (``NEVER``) for each of
+    ``FETCH_ROWS``, in ``pairs`` pairs alternating which goes first (the median ratio); the prefetch pays at a call
+    that takes at most ``FETCH_GAIN`` of its time without. Kept from the first setting from whose call on it pays at
+    every later call too (a CPU where it pays at 6 rows but costs at 3 prefetches from 5), else NEVER. Returns it and
+    the measured ratios, in words.
 
     >>> choose_fetch(lambda setting, rows: 8.0 if setting == NEVER else 7.0, pairs=3)
-    (5, '6 rows 0.88x, 12 rows 0.88x')
+    (1, '1 row 0.88x, 3 rows 0.88x, 6 rows 0.88x, 12 rows 0.88x')
+    >>> choose_fetch(lambda setting, rows: 8.0 if setting == NEVER or rows == 3 else 7.0, pairs=3)[0]
+    5
     >>> choose_fetch(lambda setting, rows: 8.0, pairs=3)
-    (13, '6 rows 1.00x, 12 rows 1.00x')
+    (13, '1 row 1.00x, 3 rows 1.00x, 6 rows 1.00x, 12 rows 1.00x')
     """
     ratios = {}
     for setting, rows in FETCH_ROWS:
@@ -280,42 +289,80 @@ def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
                 on, off = timed(setting, rows), timed(NEVER, rows)
             pair.append(on / off)
         ratios[setting, rows] = statistics.median(pair)
-    said = ", ".join(f"{rows} rows {ratio:.2f}x" for (_, rows), ratio in ratios.items())
-    return next((setting for (setting, _), ratio in ratios.items() if ratio <= FETCH_GAIN), NEVER), said
+    said = ", ".join(f"{rows} row{'s' * (rows > 1)} {ratio:.2f}x" for (_, rows), ratio in ratios.items())
+    settings = list(ratios)
+    paying = [setting for i, (setting, _) in enumerate(settings)
+              if all(ratios[later] <= FETCH_GAIN for later in settings[i:])]
+    return (paying[0] if paying else NEVER), said
+
+
+# The layers the prefetch is timed on: sets of the embedded model's body shapes (out, in) in fp32, 14 MB a set, as
+# many as twice the CPU's last-level cache holds (FETCH_BYTES bounds it), so they are read from memory as a model's
+# weights are. The kernels stream each block of 32 outputs' weights in one run of in x 128 bytes: short runs (576
+# inputs) gain from the prefetch where long ones may not (a single 8192 x 2048 layer read 0.98x at 3 rows here where
+# 141 MB of these read 0.68x), and weights the cache holds gain little (71 MB of them, inside this CPU's 300 MB L3:
+# 0.98x at 3 rows).
+FETCH_SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536))
+FETCH_BYTES = (128 << 20, 640 << 20)
+
+
+def _last_level_cache_bytes() -> int | None:
+    """The largest CPU cache's size in bytes, as Linux's sysfs says (None where it does not)."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def _fetch_sets() -> int:
+    """How many sets of FETCH_SHAPES the prefetch is timed on: twice the last-level cache, within FETCH_BYTES."""
+    per_set = sum(out * inputs * 4 for out, inputs in FETCH_SHAPES)
+    low, high = FETCH_BYTES
+    return -(-min(max(2 * (_last_level_cache_bytes() or low), low), high) // per_set)
 
 
 def _fetch_choice(library_path: Path) -> dict:
-    """``choose_fetch`` on this machine, timed on an fp32 linear layer of 64 MB (out of the caches and on the pages
-    a model's weights get, like them), kept in a file beside the built library (so measured once per library and
-    CPU)."""
+    """``choose_fetch`` on this machine, timed on fp32 linear layers of a small model's shapes (``_fetch_sets`` sets
+    of FETCH_SHAPES: out of the caches and on the pages a model's weights get, like them), kept in a file beside the
+    built library (so measured once per library and CPU, again when what is tried changes)."""
     kept = library_path.with_suffix(".fetch")
+    sets = _fetch_sets()
+    tried = repr((FETCH_ROWS, FETCH_SHAPES, sets))
     try:
-        rows, why = kept.read_text().split("\n", 1)
-        return {"rows": int(rows), "why": why}
+        rows, why, was = kept.read_text().split("\n")
+        if was == tried:  # measured over the settings and layers tried now (else measured again)
+            return {"rows": int(rows), "why": why}
     except (OSError, ValueError):
         pass
     set_rows, linear = _OPTIONAL_HERE["tr_fetch_from_rows"], _OPTIONAL_HERE.get("tr_linear_f32")
     if linear is None:
         return {"rows": NEVER, "why": "not measured: no fp32 linear layer here"}
-    inputs, outputs = 2048, 8192
     with pages.huge_pages():  # placed as a model's packed weights are (``kernels.apply_plan``)
-        tiles = weight_tiles(torch.full((outputs, inputs), 0.5), torch.float32).tiles  # written: real pages
-    x, y = torch.randn(12, inputs), torch.empty(12, outputs)
+        layers = [(out, inputs, weight_tiles(torch.full((out, inputs), 0.5), torch.float32).tiles)  # real pages
+                  for _ in range(sets) for out, inputs in FETCH_SHAPES]
+    widest = max(max(out, inputs) for out, inputs in FETCH_SHAPES)
+    x, y = torch.randn(12, widest), torch.empty(12, widest)
     threads = torch.get_num_threads()
 
     def timed(setting: int, rows: int) -> float:
         set_rows(setting)
         t0 = time.perf_counter()
-        for _ in range(2):
-            linear(x.data_ptr(), tiles.data_ptr(), rows, inputs, outputs, y.data_ptr(), threads)
+        for out, inputs, tiles in layers:
+            linear(x.data_ptr(), tiles.data_ptr(), rows, inputs, out, y.data_ptr(), threads)
         return (time.perf_counter() - t0) * 1e3
 
     timed(NEVER, 12)  # the first call pays for the threads' start
     rows, said = choose_fetch(timed)
     set_rows(rows)
-    why = f"measured here, prefetching against not, a {tiles.nbytes >> 20} MB layer: {said}"
+    megabytes = sum(tiles.nbytes for *_, tiles in layers) >> 20
+    layers.clear()  # the 600 MB go back before the model loads
+    why = f"measured here, prefetching against not, {megabytes} MB of fp32 layers: {said}"
     try:
-        kept.write_text(f"{rows}\n{why}")
+        kept.write_text(f"{rows}\n{why}\n{tried}")
     except OSError:
         pass
     return {"rows": rows, "why": why}
@@ -409,7 +456,7 @@ def fetch_note() -> str:
     if library() is None or "tr_fetch_from_rows" not in _OPTIONAL_HERE:
         return ""
     rows = _FETCH["rows"]
-    said = f"from {rows} rows" if rows < NEVER else "never"
+    said = f"from {rows} row{'s' * (rows > 1)}" if rows < NEVER else "never"
     return f"the linear kernels prefetch their weights {said} ({_FETCH['why']})"
 
 
