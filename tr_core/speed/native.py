@@ -122,7 +122,8 @@ def _build(compiler: list[str]) -> Path:
     for old in target.parent.glob("native-*.so"):  # builds of other sources or compilers, untouched for a week
         if old != target and time.time() - old.stat().st_mtime > 7 * 86400:
             old.unlink(missing_ok=True)
-            old.with_suffix(".fetch").unlink(missing_ok=True)  # its prefetch choice (``_fetch_choice``)
+            for kept in old.parent.glob(f"{old.stem}.*"):  # its prefetch and sharing choices (``_fetch_choice``...)
+                kept.unlink(missing_ok=True)
     return target
 
 
