@@ -7,6 +7,7 @@ seconds.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, for machines with hub access
@@ -112,8 +113,9 @@ def embedded_model_folder(cache_dir: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
-        # save_pretrained refuses a GGUF-loaded model: rebuild a clean one from the config and copy the weights.
-        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        # save_pretrained refuses a GGUF-loaded model: rebuild a clean one from its config (a copy: the file is read
+        # once, not again for the config) and copy the weights.
+        config = copy.deepcopy(gguf_model.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
