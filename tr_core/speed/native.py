@@ -257,6 +257,29 @@ def peak_products(kind: str, threads: int | None = None, repeats: int = 5) -> fl
     return threads * rounds * PEAK_CHAINS * per_instruction / best
 
 
+def paired_ratio(tried, without, pairs: int) -> float:
+    """The median over ``pairs`` pairs of ``tried() / without()`` (each a time), the pairs alternating which runs
+    first, so a drift of the machine's speed weighs on both alike.
+
+    >>> calls = []
+    >>> def timed(name):  # whichever runs second in a pair takes twice as long
+    ...     calls.append(name)
+    ...     return 2.0 if len(calls) % 2 == 0 else 1.0
+    >>> paired_ratio(lambda: timed("on"), lambda: timed("off"), 2), calls
+    (1.25, ['on', 'off', 'off', 'on'])
+    """
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            off = without()
+            on = tried()
+        else:
+            on = tried()
+            off = without()
+        ratios.append(on / off)
+    return statistics.median(ratios)
+
+
 # Where the linear kernels start to prefetch their weights (native.c's FETCH): measured once per built library and
 # kept beside it. NEVER: no kernel does; FETCH_ROWS: the row counts tried and the call each is timed with.
 NEVER = 13
@@ -280,16 +303,8 @@ def choose_fetch(timed, pairs: int = 7) -> tuple[int, str]:
     >>> choose_fetch(lambda setting, rows: 8.0, pairs=3)
     (13, '1 row 1.00x, 3 rows 1.00x, 6 rows 1.00x, 12 rows 1.00x')
     """
-    ratios = {}
-    for setting, rows in FETCH_ROWS:
-        pair = []
-        for i in range(pairs):
-            if i % 2:
-                off, on = timed(NEVER, rows), timed(setting, rows)
-            else:
-                on, off = timed(setting, rows), timed(NEVER, rows)
-            pair.append(on / off)
-        ratios[setting, rows] = statistics.median(pair)
+    ratios = {(setting, rows): paired_ratio(lambda: timed(setting, rows), lambda: timed(NEVER, rows), pairs)
+              for setting, rows in FETCH_ROWS}
     said = ", ".join(f"{rows} row{'s' * (rows > 1)} {ratio:.2f}x" for (_, rows), ratio in ratios.items())
     settings = list(ratios)
     paying = [setting for i, (setting, _) in enumerate(settings)
@@ -394,16 +409,7 @@ def choose_sharing(timed, pairs: int = 7) -> tuple[int, str]:
     >>> choose_sharing(lambda shared, rows: 1.0, pairs=3)[0] == SHARE_NEVER
     True
     """
-    ratios = {}
-    for rows in SHARE_ROWS:
-        pair = []
-        for i in range(pairs):
-            if i % 2:
-                alone, shared = timed(False, rows), timed(True, rows)
-            else:
-                shared, alone = timed(True, rows), timed(False, rows)
-            pair.append(shared / alone)
-        ratios[rows] = statistics.median(pair)
+    ratios = {rows: paired_ratio(lambda: timed(True, rows), lambda: timed(False, rows), pairs) for rows in SHARE_ROWS}
     said = ", ".join(f"{rows} rows {ratio:.2f}x" for rows, ratio in ratios.items())
     paying = [rows for rows in SHARE_ROWS if all(ratios[r] <= SHARE_GAIN for r in SHARE_ROWS if r >= rows)]
     return (paying[0] * SHARE_WIDTH - 1 if paying else SHARE_NEVER), said
