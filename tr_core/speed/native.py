@@ -341,46 +341,55 @@ def _fetch_sets() -> int:
     return -(-min(max(2 * (_last_level_cache_bytes() or low), low), high) // per_set)
 
 
-def _fetch_choice(library_path: Path) -> dict:
-    """``choose_fetch`` on this machine, timed on fp32 linear layers of a small model's shapes (``_fetch_sets`` sets
-    of FETCH_SHAPES: out of the caches and on the pages a model's weights get, like them), kept in a file beside the
-    built library (so measured once per library and CPU, again when what is tried changes)."""
-    kept = library_path.with_suffix(".fetch")
-    sets = _fetch_sets()
-    tried = repr((FETCH_ROWS, FETCH_SHAPES, sets))
+def _kept(path: Path, tried: str, measure) -> tuple[int, str]:
+    """A choice measured on this machine and kept in ``path`` beside the built library: the kept (value, why) where
+    it was measured over what is ``tried`` now, else ``measure()`` (value, why), kept for the next process."""
     try:
-        rows, why, was = kept.read_text().split("\n")
-        if was == tried:  # measured over the settings and layers tried now (else measured again)
-            return {"rows": int(rows), "why": why}
+        value, why, was = path.read_text().split("\n")
+        if was == tried:
+            return int(value), why
     except (OSError, ValueError):
         pass
+    value, why = measure()
+    try:
+        path.write_text(f"{value}\n{why}\n{tried}")
+    except OSError:
+        pass
+    return value, why
+
+
+def _fetch_choice(library_path: Path) -> dict:
+    """``choose_fetch`` on this machine, timed on fp32 linear layers of a small model's shapes (``_fetch_sets`` sets
+    of FETCH_SHAPES: out of the caches and on the pages a model's weights get, like them), kept beside the built
+    library (so measured once per library and CPU, again when what is tried changes)."""
     set_rows, linear = _OPTIONAL_HERE["tr_fetch_from_rows"], _OPTIONAL_HERE.get("tr_linear_f32")
     if linear is None:
         return {"rows": NEVER, "why": "not measured: no fp32 linear layer here"}
-    with pages.huge_pages():  # placed as a model's packed weights are (``kernels.apply_plan``)
-        layers = [(out, inputs, weight_tiles(torch.full((out, inputs), 0.5), torch.float32).tiles)  # real pages
-                  for _ in range(sets) for out, inputs in FETCH_SHAPES]
-    widest = max(max(out, inputs) for out, inputs in FETCH_SHAPES)
-    x, y = torch.randn(12, widest), torch.empty(12, widest)
-    threads = torch.get_num_threads()
+    sets = _fetch_sets()
 
-    def timed(setting: int, rows: int) -> float:
-        set_rows(setting)
-        t0 = time.perf_counter()
-        for out, inputs, tiles in layers:
-            linear(x.data_ptr(), tiles.data_ptr(), rows, inputs, out, y.data_ptr(), threads)
-        return (time.perf_counter() - t0) * 1e3
+    def measure() -> tuple[int, str]:
+        with pages.huge_pages():  # placed as a model's packed weights are (``kernels.apply_plan``)
+            layers = [(out, inputs, weight_tiles(torch.full((out, inputs), 0.5), torch.float32).tiles)  # real pages
+                      for _ in range(sets) for out, inputs in FETCH_SHAPES]
+        widest = max(max(out, inputs) for out, inputs in FETCH_SHAPES)
+        x, y = torch.randn(12, widest), torch.empty(12, widest)
+        threads = torch.get_num_threads()
 
-    timed(NEVER, 12)  # the first call pays for the threads' start
-    rows, said = choose_fetch(timed)
+        def timed(setting: int, rows: int) -> float:
+            set_rows(setting)
+            t0 = time.perf_counter()
+            for out, inputs, tiles in layers:
+                linear(x.data_ptr(), tiles.data_ptr(), rows, inputs, out, y.data_ptr(), threads)
+            return (time.perf_counter() - t0) * 1e3
+
+        timed(NEVER, 12)  # the first call pays for the threads' start
+        rows, said = choose_fetch(timed)
+        megabytes = sum(tiles.nbytes for *_, tiles in layers) >> 20
+        layers.clear()  # the 600 MB go back before the model loads
+        return rows, f"measured here, prefetching against not, {megabytes} MB of fp32 layers: {said}"
+
+    rows, why = _kept(library_path.with_suffix(".fetch"), repr((FETCH_ROWS, FETCH_SHAPES, sets)), measure)
     set_rows(rows)
-    megabytes = sum(tiles.nbytes for *_, tiles in layers) >> 20
-    layers.clear()  # the 600 MB go back before the model loads
-    why = f"measured here, prefetching against not, {megabytes} MB of fp32 layers: {said}"
-    try:
-        kept.write_text(f"{rows}\n{why}\n{tried}")
-    except OSError:
-        pass
     return {"rows": rows, "why": why}
 
 
@@ -416,35 +425,29 @@ def choose_sharing(timed, pairs: int = 7) -> tuple[int, str]:
 
 
 def _sharing_choice(library_path: Path) -> dict:
-    """``choose_sharing`` on this machine, on the threads torch uses, kept in a file beside the built library (so
-    measured once per library, CPU and thread count). One thread: nothing to share."""
+    """``choose_sharing`` on this machine, on the threads torch uses, kept beside the built library (so measured
+    once per library, CPU and thread count, again when what is tried changes). One thread: nothing to share."""
     threads = torch.get_num_threads()
     if threads < 2:
         return {"floats": SHARE_NEVER, "why": "one thread: nothing to share"}
-    kept = library_path.with_suffix(f".share{threads}")
-    try:
-        floats, why = kept.read_text().split("\n", 1)
-        return {"floats": int(floats), "why": why}
-    except (OSError, ValueError):
-        pass
     set_floats, silu = _OPTIONAL_HERE["tr_small_ops_shared"], _OPTIONAL_HERE["tr_silu_mul_rows"]
-    gate_up, act = torch.randn(max(SHARE_ROWS), SHARE_WIDTH), torch.empty(max(SHARE_ROWS), SHARE_WIDTH // 2)
 
-    def timed(shared: bool, rows: int) -> float:
-        set_floats(0 if shared else SHARE_NEVER)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            silu(gate_up.data_ptr(), rows, SHARE_WIDTH // 2, act.data_ptr(), threads)
-        return (time.perf_counter() - t0) * 1e3
+    def measure() -> tuple[int, str]:
+        gate_up, act = torch.randn(max(SHARE_ROWS), SHARE_WIDTH), torch.empty(max(SHARE_ROWS), SHARE_WIDTH // 2)
 
-    timed(True, max(SHARE_ROWS))  # the first call pays for the threads' start
-    floats, said = choose_sharing(timed)
+        def timed(shared: bool, rows: int) -> float:
+            set_floats(0 if shared else SHARE_NEVER)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                silu(gate_up.data_ptr(), rows, SHARE_WIDTH // 2, act.data_ptr(), threads)
+            return (time.perf_counter() - t0) * 1e3
+
+        timed(True, max(SHARE_ROWS))  # the first call pays for the threads' start
+        floats, said = choose_sharing(timed)
+        return floats, f"measured here, SiLU's rows shared among {threads} threads against one: {said}"
+
+    floats, why = _kept(library_path.with_suffix(f".share{threads}"), repr((SHARE_WIDTH, SHARE_ROWS)), measure)
     set_floats(floats)
-    why = f"measured here, SiLU's rows shared among {threads} threads against one: {said}"
-    try:
-        kept.write_text(f"{floats}\n{why}")
-    except OSError:
-        pass
     return {"floats": floats, "why": why}
 
 
