@@ -181,7 +181,7 @@ def test_attention_pairs_alternate_the_two_settings_round_by_round_and_leave_the
     """``calibrate --attention``'s pairs on stubbed steps (the tiles' steps 0.8x fp32's at 16 rows): each round runs
     both settings, in turned order, the first round uncounted; the ratio is the rounds' median; the tiles are on
     after, also where a round fails."""
-    from tr_core.speed import calibrate
+    from tr_core.speed import calibrate, stepbench
     state, log = {"on": True}, []
 
     class Bench:
@@ -195,7 +195,7 @@ def test_attention_pairs_alternate_the_two_settings_round_by_round_and_leave_the
             cut = 0.8 if state["on"] else 1.0
             return {n: [10.0 * n * (cut if n == 16 else 1.0)] * block for n in calibrate.ATTENTION_SIZES}
 
-    monkeypatch.setattr(calibrate, "StepBench", Bench)
+    monkeypatch.setattr(stepbench, "StepBench", Bench)
 
     def switch(on):
         state["on"] = on

@@ -498,3 +498,52 @@ def test_the_prefetch_is_kept_from_the_first_row_count_where_it_measurably_pays(
     if native.library() is not None and "tr_fetch_from_rows" in native._OPTIONAL_HERE:
         # chosen on this machine when the library loaded, said in the kernels' line and keyed into the timing caches
         assert f"p{native._FETCH['rows']}" in native.tag() and "measured here" in native.fetch_note()
+
+
+@needs_compiler
+def test_the_amx_format_attends_on_the_tiles_only_where_its_steps_measure_faster(monkeypatch, tmp_path):
+    """``chooser.tiles_choice`` on stubbed whole steps: the tiles kept where their steps take at most fp32
+    attention's time (geometric mean over the sizes), fp32 attention where they measure slower; the choice is kept
+    per machine (not measured again), put into the model by ``prepare_model`` (the process's attention follows it),
+    said in the mode's description, and part of the plan's tag (what t(N) is cached under)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tr_core.speed import chooser, kernels, layouts, stepbench
+    library_here()
+    if "amxn" not in layouts.available_layouts() or not native.attention_tiles_built():
+        pytest.skip("attention on AMX tiles needs a CPU with amx_tile and amx_bf16, and the kernel's grant")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the choices kept here, not in the machine's cache
+    config = LlamaConfig(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert lean.fuse(model)
+    counts = {s: len(ls) for s, ls in layouts.linear_shapes(model).items()}
+    plan = layouts.make_plan("fast", {(s, r, "amxn"): 1.0 for s in counts for r in (1, 2, 4)}, counts, ("amxn",),
+                             invariant={s: ["amxn"] for s in counts})
+    calls = []
+
+    def pairs(ratio):
+        def timed(trial, prefix, rounds):
+            calls.append(native.attention_on_tiles() is not None)  # timed from the tiles on, whatever was set
+            return {n: (10.0 * ratio, 10.0, ratio) for n in stepbench.ATTENTION_SIZES}
+        return timed
+
+    was = native.attention_on_tiles() is not None
+    try:
+        native.set_attention_on_tiles(False)
+        monkeypatch.setattr(stepbench, "attention_pairs", pairs(1.1))
+        on, note = chooser.tiles_choice(model, plan)
+        assert (on, calls) == (False, [True]) and native.attention_on_tiles() is None  # the setting as it was
+        assert note.startswith("attention in fp32, chosen by measurement: whole steps 1.10x")
+        monkeypatch.setattr(stepbench, "attention_pairs", pairs(0.9))
+        assert chooser.tiles_choice(model, plan) == (False, note) and len(calls) == 1  # kept: not measured again
+        assert chooser.tiles_choice(model, plan, remeasure=True)[0] is True and len(calls) == 2
+        untried = plan.tag()
+        plan.tiles, plan.tiles_note = False, note
+        assert plan.tag() != untried
+        native.set_attention_on_tiles(True)
+        chooser.prepare_model(model, "fast", plan)  # the plan's choice put into the process's attention
+        assert native.attention_on_tiles() is None and note in kernels.describe_format(plan)
+    finally:
+        native.set_attention_on_tiles(was)

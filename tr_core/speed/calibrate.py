@@ -39,7 +39,7 @@ from .kernels import (
 )
 from .layouts import LAYOUTS, cpu_name, linear_shapes, source_digest
 from .native import PEAK_KINDS
-from .stepbench import StepBench, bench_prefix, paired_curve, whole_steps_ms  # noqa: F401 (offered here)
+from .stepbench import ATTENTION_SIZES, StepBench, attention_pairs, bench_prefix, paired_curve, whole_steps_ms  # noqa: F401
 
 
 def machine_key(model: PreTrainedModel) -> str:
@@ -329,35 +329,6 @@ def show_limits(model: PreTrainedModel, mode: str) -> str:
     small += f"; {placed}" if placed else ""
     return limits_line(mode, fmt, rounds, weight_bytes(model, fmt), weight_bytes(model, "fp32") // 4, peak, small,
                        attention_products(model), fma, attention_kind)
-
-
-ATTENTION_SIZES = (1, 4, 16, 32, 81)
-
-
-def attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8, block: int = 3,
-                    switch=None) -> dict[int, tuple[float, float, float]]:
-    """The amx format's whole steps with attention on the tiles against the same steps with fp32 attention, one
-    model in one process, the two settings alternated round by round (``switch(on)``, default
-    ``native.set_attention_on_tiles``), each round's order turned: per size of ``ATTENTION_SIZES``, (the median ms
-    on the tiles, the median ms in fp32, the median of the rounds' ratios). ``model``: prepared in the fast mode. The
-    setting is left as it was (with ``switch`` given: on)."""
-    after = True if switch else native.attention_on_tiles() is not None
-    switch = switch or native.set_attention_on_tiles
-    bench = StepBench(model, ATTENTION_SIZES, prefix)
-    times: dict[bool, dict[int, list[float]]] = {on: {n: [] for n in ATTENTION_SIZES} for on in (True, False)}
-    try:
-        for r in range(rounds + 1):
-            for on in ((True, False) if r % 2 else (False, True)):
-                switch(on)
-                got = bench.time_round(block)
-                if r:  # the first round is uncounted: the threads' start, cold caches
-                    for n in ATTENTION_SIZES:
-                        times[on][n].append(statistics.median(got[n]))
-    finally:
-        switch(after)
-    med = statistics.median
-    return {n: (med(times[True][n]), med(times[False][n]), med(a / b for a, b in zip(times[True][n], times[False][n])))
-            for n in ATTENTION_SIZES}
 
 
 def show_attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8) -> str:

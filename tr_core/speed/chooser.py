@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import sys
 
 import torch
@@ -22,8 +23,8 @@ from ..assets import acceptance_stats
 from ..budget import expected_tokens
 from ..cachefiles import write_atomically
 from ..models import default_cache_dir, max_positions
-from ..modes import MODES
-from . import attention, invariance, layouts, lean, stepbench
+from ..modes import DEFAULT_FIT_CONTEXT, MODES
+from . import attention, invariance, layouts, lean, native, stepbench
 from . import kernels as kernels_module
 from .fusion import fuse, fused_shapes
 from .kernels import (
@@ -31,6 +32,7 @@ from .kernels import (
     KernelPlan,
     apply_plan,
     attention_invariant,
+    body,
     grouped_query_attention_in_sdpa,
     plan_of,
     trials,
@@ -70,7 +72,69 @@ WHOLE_SIZES = (1, 2, 4, 8, 16, 32, 81)
 
 def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False
                 ) -> KernelPlan:
-    """The plan ``prepare_model`` puts into ``model`` (fp32, fused, not yet prepared) in ``mode``: among the formats
+    """The plan ``prepare_model`` puts into ``model`` (fp32, fused, not yet prepared) in ``mode``: the format
+    (``choose_format_plan``), and for the amx format whether attention runs on the tiles (``tiles_choice``)."""
+    plan = choose_format_plan(model, mode, gain, remeasure)
+    plan.tiles, plan.tiles_note = tiles_choice(model, plan, remeasure)
+    return plan
+
+
+# Rounds of whole steps with attention on the tiles against fp32 attention that ``tiles_choice`` times
+TILES_ROUNDS = 6
+
+
+def choose_tiles(pairs: dict[int, tuple[float, float, float]]) -> tuple[bool, str]:
+    """Whether the amx format should attend on the tiles, from its whole steps against the same with fp32 attention
+    (``stepbench.attention_pairs``: per size, the median ms each way and the median of the rounds' own ratios): on
+    where the ratios' geometric mean over the sizes is at most 1; and why, in words.
+
+    >>> on, why = choose_tiles({1: (10.0, 10.5, 0.95), 16: (12.0, 14.0, 0.86)})
+    >>> on, why.split(": ", 1)[1]
+    (True, 'whole steps 0.90x their time with fp32 attention (1 row 0.95x, 16 rows 0.86x)')
+    >>> choose_tiles({1: (11.0, 10.0, 1.10), 16: (14.0, 13.0, 1.08)})[1][:59]
+    'attention in fp32, chosen by measurement: whole steps 1.09x'
+    """
+    mean = math.exp(sum(math.log(ratio) for *_, ratio in pairs.values()) / len(pairs))
+    said = ", ".join(f"{n} row{'s' * (n > 1)} {ratio:.2f}x" for n, (*_, ratio) in pairs.items())
+    on = mean <= 1.0
+    return on, (f"attention {'on the tiles' if on else 'in fp32'}, chosen by measurement: whole steps {mean:.2f}x "
+                f"their time with fp32 attention ({said})")
+
+
+def tiles_choice(model: nn.Module, plan: KernelPlan, remeasure: bool = False) -> tuple[bool | None, str]:
+    """For the amx format where attention on the tiles is built here and the model takes it (head size 64):
+    ``choose_tiles`` on whole steps of ``plan`` put into a copy of ``model``, the tiles against fp32 attention in
+    TILES_ROUNDS alternated rounds (``stepbench.attention_pairs``), cached per machine, model, plan and code
+    (``remeasure``: not read); (None, "") elsewhere. The format itself was chosen with the tiles on."""
+    if plan.fmt != "amx" or not native.attention_tiles_built():
+        return None, ""
+    key = "-".join([layouts.cache_key(model, plan.mode), plan.tag(), str(TILES_ROUNDS),
+                    layouts.source_digest(stepbench, lean, attention, sys.modules[__name__])])
+    name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, plan.mode))[:80]
+    path = default_cache_dir() / "kernels" / f"tiles-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    if path.is_file() and not remeasure:
+        kept = json.loads(path.read_text())
+        return kept["on"], kept["note"]
+    with trials(plan.mode):  # what the mode runs here is said by the models it prepares, not by this trial
+        trial = copy.deepcopy(model)
+        apply_plan(trial, plan)
+        before = native.attention_on_tiles() is not None
+        native.set_attention_on_tiles(True)
+        try:
+            if not getattr(body(trial), "_on_tiles", bool)():  # a head size the tiles do not take: nothing to weigh
+                return None, ""
+            on, note = choose_tiles(stepbench.attention_pairs(trial, DEFAULT_FIT_CONTEXT, TILES_ROUNDS))
+        finally:
+            native.set_attention_on_tiles(before)
+            del trial
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps({"on": on, "note": note}, indent=1))
+    return on, note
+
+
+def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False
+                       ) -> KernelPlan:
+    """The plan's format and layouts (``choose_plan``): among the formats
     the mode may run here (``layouts.format_plans``), the one whose *whole* steps decode fastest (``layouts.
     pick_format`` on ``whole_steps``), each format's plan put into a copy of the model and timed here; the linear
     layers' times alone cannot see the rest of a step, which differs between formats (seen on this project's AVX-512

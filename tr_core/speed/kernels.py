@@ -97,7 +97,8 @@ def describe_format(plan: KernelPlan, attention: bool = True) -> str:
     mean)"``: the ratios ``layouts.choose_format`` chose by; then whether a row's numbers are the same alone, in a
     tree and in a prefill (``describe_invariance``; ``attention``: whether the model runs the batch-invariant
     attention, ``attention_invariant``)."""
-    return f"{_describe_format(plan)}; {describe_invariance(plan, attention)}"
+    tiles = f"; {plan.tiles_note}" if plan.tiles_note else ""
+    return f"{_describe_format(plan)}{tiles}; {describe_invariance(plan, attention)}"
 
 
 def describe_invariance(plan: KernelPlan, attention: bool = True) -> str:
@@ -261,6 +262,8 @@ def apply_plan(model: nn.Module, plan: KernelPlan) -> None:
     output layer's dispatch (``OutputHead``); convert the model to bf16 first where the plan's format is bf16."""
     if plan.fmt == "bf16":
         model.to(torch.bfloat16)
+    if plan.fmt == "amx" and plan.tiles is not None:  # chosen by measurement here (``chooser.tiles_choice``)
+        native.set_attention_on_tiles(plan.tiles)
     with pages.huge_pages():  # the packed weights a step streams whole: on 2 MB pages where the system has them
         for parent in list(model.base_model.modules()):
             for name, child in list(parent.named_children()):

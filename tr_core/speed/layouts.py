@@ -695,6 +695,11 @@ class KernelPlan:
     # the formats whose whole prepared model gave a position other logits alone than in a tree or a prefill here
     # (``chooser.invariant_plans``): format -> what differed; none of them is offered
     dropped: dict[str, str] = field(default_factory=dict)
+    # the amx format: whether attention runs on the tiles here (``chooser.tiles_choice``: whole steps with it against
+    # fp32 attention, measured on this machine), None where that is not chosen (other formats, or not measured), and
+    # the reason in words
+    tiles: bool | None = None
+    tiles_note: str = ""
 
     def layout_for(self, shape: str, rows: int) -> str:
         """The chosen layout for ``rows`` rows: the choice of the next timed row count up; beyond them the largest
@@ -706,7 +711,8 @@ class KernelPlan:
 
     def tag(self) -> str:
         """A short name of the choice, for cache keys of what depends on it (e.g. t(N))."""
-        digest = json.dumps([self.fmt, sorted((s, sorted(c.items())) for s, c in self.layouts.items())])
+        choice = [self.fmt, sorted((s, sorted(c.items())) for s, c in self.layouts.items())]
+        digest = json.dumps(choice + ([self.tiles] if self.tiles is not None else []))
         return f"{self.fmt}-{hashlib.sha1(digest.encode()).hexdigest()[:8]}"
 
 

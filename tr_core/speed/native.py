@@ -199,6 +199,11 @@ def attention_on_tiles():
     return _OPTIONAL_HERE.get("tr_attend_amx")
 
 
+def attention_tiles_built() -> bool:
+    """Whether attention on AMX tiles is built here and passed its check (on or off: ``attention_on_tiles``)."""
+    return library() is not None and "tr_attend_amx" in _OPTIONAL_HERE and "tr_attend_tiles" in _OPTIONAL_HERE
+
+
 def set_attention_on_tiles(on: bool) -> bool:
     """Turn the amx format's attention on tiles on (where it is built and passed its check: the default) or off (it
     then runs ``tr_attend``, fp32, as the other formats do), for the whole process: for side-by-side timings and

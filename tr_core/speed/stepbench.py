@@ -17,7 +17,7 @@ from ..models import max_positions
 from ..modes import DEFAULT_FIT_CONTEXT
 from ..topk import top_k
 from ..tree import build_tree, load_template
-from . import layouts
+from . import layouts, native
 from .attention import BLOCK
 from .backend import tree_attention
 from .kernels import OutputHead, body, cache_dtype, feed, grouped_query_attention_in_sdpa, window
@@ -135,3 +135,32 @@ def paired_curve(times: dict[int, list[list[float]]]) -> dict[int, float]:
         running = max(running, statistics.median(rounds))  # more tokens never cost less: a dip is noise
         result[n] = base * running
     return result
+
+
+ATTENTION_SIZES = (1, 4, 16, 32, 81)
+
+
+def attention_pairs(model: PreTrainedModel, prefix: int, rounds: int = 8, block: int = 3,
+                    switch=None) -> dict[int, tuple[float, float, float]]:
+    """The amx format's whole steps with attention on the tiles against the same steps with fp32 attention, one
+    model in one process, the two settings alternated round by round (``switch(on)``, default
+    ``native.set_attention_on_tiles``), each round's order turned: per size of ``ATTENTION_SIZES``, (the median ms
+    on the tiles, the median ms in fp32, the median of the rounds' ratios). ``model``: prepared in the fast mode. The
+    setting is left as it was (with ``switch`` given: on)."""
+    after = True if switch else native.attention_on_tiles() is not None
+    switch = switch or native.set_attention_on_tiles
+    bench = StepBench(model, ATTENTION_SIZES, prefix)
+    times: dict[bool, dict[int, list[float]]] = {on: {n: [] for n in ATTENTION_SIZES} for on in (True, False)}
+    try:
+        for r in range(rounds + 1):
+            for on in ((True, False) if r % 2 else (False, True)):
+                switch(on)
+                got = bench.time_round(block)
+                if r:  # the first round is uncounted: the threads' start, cold caches
+                    for n in ATTENTION_SIZES:
+                        times[on][n].append(statistics.median(got[n]))
+    finally:
+        switch(after)
+    med = statistics.median
+    return {n: (med(times[True][n]), med(times[False][n]), med(a / b for a, b in zip(times[True][n], times[False][n])))
+            for n in ATTENTION_SIZES}
