@@ -547,3 +547,18 @@ def test_the_amx_format_attends_on_the_tiles_only_where_its_steps_measure_faster
         assert native.attention_on_tiles() is None and note in kernels.describe_format(plan)
     finally:
         native.set_attention_on_tiles(was)
+
+
+def test_the_prefetch_is_timed_on_twice_the_last_level_cache_within_bounds(tmp_path, monkeypatch):
+    """The largest cache sysfs lists (sizes with K, M or G), and the layer sets the prefetch is timed on: twice it,
+    at least FETCH_BYTES[0], at most FETCH_BYTES[1]; where sysfs says nothing, twice FETCH_BYTES[0]."""
+    for index, size in enumerate(("48K", "2048K", "307200K", "junk")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert native._last_level_cache_bytes(tmp_path) == 300 << 20
+    assert native._last_level_cache_bytes(tmp_path / "none") is None
+    per_set = sum(out * inputs * 4 for out, inputs in native.FETCH_SHAPES)
+    low, high = native.FETCH_BYTES
+    for cache, expected in ((None, 2 * low), (32 << 20, low), (300 << 20, 600 << 20), (400 << 20, high)):
+        monkeypatch.setattr(native, "_last_level_cache_bytes", lambda cache=cache: cache)
+        assert native._fetch_sets() == -(-expected // per_set), cache

@@ -327,10 +327,10 @@ FETCH_SHAPES = ((576, 576), (960, 576), (3072, 576), (576, 1536))
 FETCH_BYTES = (128 << 20, 640 << 20)
 
 
-def _last_level_cache_bytes() -> int | None:
+def _last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """The largest CPU cache's size in bytes, as Linux's sysfs says (None where it does not)."""
     sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for entry in caches.glob("index*/size"):
         try:
             text = entry.read_text().strip()
             sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
@@ -340,7 +340,8 @@ def _last_level_cache_bytes() -> int | None:
 
 
 def _fetch_sets() -> int:
-    """How many sets of FETCH_SHAPES the prefetch is timed on: twice the last-level cache, within FETCH_BYTES."""
+    """How many sets of FETCH_SHAPES the prefetch is timed on: twice the last-level cache (FETCH_BYTES[0] where the
+    system does not say it), within FETCH_BYTES."""
     per_set = sum(out * inputs * 4 for out, inputs in FETCH_SHAPES)
     low, high = FETCH_BYTES
     return -(-min(max(2 * (_last_level_cache_bytes() or low), low), high) // per_set)
