@@ -391,7 +391,7 @@ def _fetch_choice(library_path: Path) -> dict:
         timed(NEVER, 12)  # the first call pays for the threads' start
         rows, said = choose_fetch(timed)
         megabytes = sum(tiles.nbytes for *_, tiles in layers) >> 20
-        layers.clear()  # the 600 MB go back before the model loads
+        layers.clear()  # the layers (up to FETCH_BYTES[1]) go back before a model loads
         return rows, f"measured here, prefetching against not, {megabytes} MB of fp32 layers: {said}"
 
     rows, why = _kept(library_path.with_suffix(".fetch"), repr((FETCH_ROWS, FETCH_SHAPES, sets)), measure)
