@@ -233,6 +233,34 @@ def test_the_table_and_summary_say_what_was_chosen():
     assert kernels.kernel_table(tiny_model("llama")) == []  # float64: torch's own kernels
 
 
+@pytest.mark.skipif("onednn" not in available_layouts(), reason="no oneDNN linear in this torch build")
+@torch.inference_mode()
+def test_a_model_on_onednn_prepacked_weights_can_be_deep_copied():
+    """oneDNN's prepacked weights are opaque tensors that ``copy.deepcopy`` refuses; on a CPU without AVX-512 the
+    chooser takes them, and a copy of such a prepared model failed ("Cannot access storage of OpaqueTensorImpl"). The
+    copy packs them again: its own tensors, the same logits bit for bit, and the original untouched."""
+    import copy
+
+    model = tiny_model("llama", dtype=torch.float32)
+    counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
+    t = {(s, r, name): 1.0 + (name != ("onednn" if r > 1 else "linear")) for s in counts for r in (1, 2, 8)
+         for name in ("linear", "onednn")}
+    prepare_model(model, "exact", plan=make_plan("exact", t, counts, ("linear", "onednn")))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    before = model(ids).logits
+    twin = copy.deepcopy(model)
+    layers = [m for m in model.modules() if isinstance(m, kernels.ChosenLinear)]
+    copies = [m for m in twin.modules() if isinstance(m, kernels.ChosenLinear)]
+    assert layers and len(copies) == len(layers)
+    for layer, other in zip(layers, copies):
+        packed, again = layer.kernel_for(8)[1], other.kernel_for(8)[1]
+        assert packed.layout == again.layout == torch._mkldnn and again is not packed
+        assert other.weight is not layer.weight and torch.equal(other.weight, layer.weight)
+        own = other.kernel_for(1)[1].data_ptr()  # F.linear reads the copy's own weight
+        assert own == other.weight.data_ptr() != layer.weight.data_ptr()
+    assert torch.equal(twin(ids).logits, before) and torch.equal(model(ids).logits, before)
+
+
 def test_the_timings_are_measured_once_per_machine_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []

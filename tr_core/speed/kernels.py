@@ -21,6 +21,7 @@ cached; ``kernel_table``, ``kernel_summary`` and ``describe_format`` show the ch
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import os
@@ -226,6 +227,37 @@ class ChosenLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rows(x.reshape(-1, self.in_features).contiguous()).view(*x.shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo: dict) -> "ChosenLinear":
+        """A copy with packed weights of its own. oneDNN's prepacked weights are opaque tensors, which
+        ``copy.deepcopy`` cannot copy ("Cannot access storage of OpaqueTensorImpl": seen where the chooser takes them,
+        on a CPU without AVX-512): the copy packs them again from its copy of the weight, which the layouts that use
+        them keep. Layouts that read the weight itself read the copy's (a plain deep copy would give them a second
+        copy of it). Everything else is copied as it is."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in ("_table", "_large")},
+                                          memo))
+        repacked: dict[int, torch.Tensor] = {}
+
+        def entry(run_packed: tuple) -> tuple:
+            run, packed = run_packed
+            if not isinstance(packed, torch.Tensor):
+                return run, copy.deepcopy(packed, memo)
+            if packed.layout == torch._mkldnn:
+                if new.weight is None:
+                    raise TypeError(f"a {self.fmt} layer with oneDNN-prepacked weights but no weight to pack again")
+                if id(packed) not in repacked:
+                    repacked[id(packed)] = layouts.LAYOUTS["onednn"].pack(new.weight.detach())
+                return run, repacked[id(packed)]
+            if self.weight is not None and packed.shape == self.weight.shape and \
+                    packed.data_ptr() == self.weight.data_ptr():  # the weight itself (F.linear, (W @ x^T)^T)
+                return run, new.weight.detach()
+            return run, copy.deepcopy(packed, memo)
+
+        new._large = entry(self._large)
+        new._table = [entry(e) for e in self._table]
+        return new
 
     def kernel_for(self, rows: int) -> tuple:
         """``(run, packed)``: the kernel call for ``rows`` rows, ``run(x, packed)``."""
