@@ -23,6 +23,16 @@
 #define LANES 16
 #define BLOCK 64
 
+/* The loops over exp_small (the softmax, SiLU) in 512-bit vectors where the CPU has AVX-512: gcc's tuning for
+ * -march=native picks 256-bit ones on Intel's server cores. Each float gets the same operations either way (no
+ * reassociation without -ffast-math), so the bits are the same; whole fast steps of 16-81 rows 0.96-0.98x on an AMX
+ * Xeon (docs/speed.md). */
+#ifdef HAVE_AVX512
+#define WIDE __attribute__((target("prefer-vector-width=512")))
+#else
+#define WIDE
+#endif
+
 static float sum_lanes(float *acc) {
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int j = 0; j < w; j++) acc[j] += acc[j + w];
@@ -88,7 +98,7 @@ void tr_add_rms_norm(float *x, const float *delta, const float *weight, float ep
 }
 
 /* out (n, inter) = silu(gate) * up, of gate_up (n, 2 * inter): each row's gate, then its up. */
-void tr_silu_mul(const float *gate_up, int n, int inter, float *out) {
+WIDE void tr_silu_mul(const float *gate_up, int n, int inter, float *out) {
     for (int r = 0; r < n; r++) {
         const float *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         float *o = out + (int64_t)r * inter;
@@ -136,7 +146,7 @@ static void scores_row(const float *q, const float *keys, int64_t start, const i
 
 /* The softmax's numerators in place over w's start + BLOCK scores (its window's 0 where not ok), and their sum:
  * one maximum and one sum over the row, in LANES accumulators combined pairwise. */
-static float softmax_row(float *w, int64_t start, const uint8_t *ok) {
+WIDE static float softmax_row(float *w, int64_t start, const uint8_t *ok) {
     int64_t row_len = start + BLOCK;
     float *own = w + start;
     float top[LANES];
@@ -582,7 +592,9 @@ void tr_linear_bf16(const float *x, const uint16_t *tiles, int n, int in, int ou
  * many rows the call has (padding rows are other rows). Row tiles go two at a time against a block's two B tiles
  * (4 accumulators, 2 A and 2 B tiles: the 8 tile registers); the block's weights come from memory on the first pair
  * (prefetched AMX_AHEAD bytes ahead) and from the core's cache for the others, so many rows cost arithmetic, not
- * more reading. Needs the tile state granted to the process (tr_amx_ready) and configured in each thread. */
+ * more reading. A call of one row tile takes the blocks two at a time instead (one A tile a run for both, two
+ * streams of weights: 0.95x at 1-8 rows on an AMX Xeon). Needs the tile state granted to the process (tr_amx_ready)
+ * and configured in each thread. */
 #define AMX_OUT 32
 #define AMX_IN 32
 #define AMX_AHEAD 4096
@@ -623,8 +635,8 @@ static void amx_configure(void) {
 /* One block of 32 outputs against one row tile (arow: its 16 rows of kb * 32 bf16, `lda` bytes apart; w: the block's
  * tiles): accumulators tmm0-1; runs two at a time, A tiles tmm4 then tmm5 and B tiles tmm6-7 then tmm2-3, so the
  * next run's tiles load while the last run's products are made (tiles have no renaming: a load into a tile waits
- * for the products reading it). Stores the 16 rows by 32 floats to out (rows 32 floats apart). */
-static void amx_block1(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out) {
+ * for the products reading it). Stores the 16 rows by 32 floats to out, rows `ldo` floats apart. */
+static void amx_block1(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out, int64_t ldo) {
     _tile_zero(0);
     _tile_zero(1);
     int k = 0;
@@ -651,14 +663,14 @@ static void amx_block1(const char *arow, int64_t lda, const uint16_t *w, int kb,
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
     }
-    _tile_stored(0, out, 128);
-    _tile_stored(1, out + 16, 128);
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
 }
 
 /* The same against the row tiles m0 and m0 + 1 (two): 4 accumulators tmm0-3, A tiles tmm4-5, B tiles tmm6-7 (all 8
- * tile registers); 32 rows by 32 floats to out. Each accumulator gets the same products in the same order as in
- * amx_block1: a row's bits do not depend on which of the two ran it. */
-static void amx_block2(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out) {
+ * tile registers); 32 rows by 32 floats to out (rows `ldo` floats apart). Each accumulator gets the same products in
+ * the same order as in amx_block1: a row's bits do not depend on which of the two ran it. */
+static void amx_block2(const char *arow, int64_t lda, const uint16_t *w, int kb, int fetch, float *out, int64_t ldo) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -686,10 +698,42 @@ static void amx_block2(const char *arow, int64_t lda, const uint16_t *w, int kb,
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, out, 128);
-    _tile_stored(1, out + 16, 128);
-    _tile_stored(2, out + 16 * 32, 128);
-    _tile_stored(3, out + 16 * 32 + 16, 128);
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
+    _tile_stored(2, out + 16 * ldo, ldo * 4);
+    _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
+}
+
+/* One row tile against two blocks side by side (64 outputs; w2: the second block's tiles): accumulators tmm0-1 for
+ * w, tmm2-3 for w2, the A tile tmm4 loaded once a run for both, B tiles through tmm5-7; both blocks' weights
+ * prefetched, two streams. Each accumulator gets the products amx_block1 gives it, in its order, so the bits are
+ * amx_block1's. Stores to out (w's 32 columns) and out2 (w2's), rows `ldo` floats apart. */
+static void amx_block1x2(const char *arow, int64_t lda, const uint16_t *w, const uint16_t *w2, int kb, float *out,
+                         float *out2, int64_t ldo) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < kb; k++) {
+        const uint16_t *b = w + (int64_t)k * 2 * 512, *b2 = w2 + (int64_t)k * 2 * 512;
+        for (int f = 0; f < 2048; f += 64) {
+            _mm_prefetch((const char *)b + AMX_AHEAD + f, _MM_HINT_T0);
+            _mm_prefetch((const char *)b2 + AMX_AHEAD + f, _MM_HINT_T0);
+        }
+        _tile_loadd(4, arow + k * 64, lda);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 512, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b2, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b2 + 512, 64); /* after the product reading tmm5 */
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
+    _tile_stored(2, out2, ldo * 4);
+    _tile_stored(3, out2 + 16, ldo * 4);
 }
 
 /* A core's L2 cache in bytes, as the system says (2 MB where it does not). */
@@ -711,6 +755,71 @@ static void amx_round_row(const float *xr, int in, uint16_t *h) {
         float part[32] = {0};
         memcpy(part, xr + i, sizeof(float) * (in - i));
         _mm512_storeu_si512(h + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(part + 16), _mm512_loadu_ps(part)));
+    }
+}
+
+/* tr_linear_amx's products for one row tile (n <= 16 rows, an output that stays in the cache), inside its threads:
+ * the blocks two at a time (amx_block1x2: one A tile a run for both, two streams of weights), an odd count's last
+ * block by one thread (amx_block1). Whole tiles are stored straight into y, others through a buffer. */
+static void amx_one_tile(const char *a, int64_t lda, const uint16_t *tiles, int kb, int count, int n, int out,
+                         float *y) {
+    float c[16 * 32], c2[16 * 32];
+    int64_t bytes = (int64_t)kb * 2 * 512; /* a block's tiles, in uint16_t */
+    _Pragma("omp for schedule(static)")
+    for (int q = 0; q < count / 2; q++) {
+        int o0 = 2 * q * AMX_OUT, cols2 = out - o0 - AMX_OUT < AMX_OUT ? out - o0 - AMX_OUT : AMX_OUT;
+        const uint16_t *w = tiles + 2 * q * bytes;
+        if (n == 16 && cols2 == AMX_OUT) {
+            amx_block1x2(a, lda, w, w + bytes, kb, y + o0, y + o0 + AMX_OUT, out);
+            continue;
+        }
+        amx_block1x2(a, lda, w, w + bytes, kb, c, c2, 32);
+        for (int r = 0; r < n; r++) {
+            memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * AMX_OUT);
+            memcpy(y + (int64_t)r * out + o0 + AMX_OUT, c2 + r * 32, sizeof(float) * cols2);
+        }
+    }
+    if (count % 2) {
+        _Pragma("omp single")
+        {
+            int o0 = (count - 1) * AMX_OUT;
+            amx_block1(a, lda, tiles + (count - 1) * bytes, kb, 1, c, 32);
+            for (int r = 0; r < n; r++) memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * (out - o0));
+        }
+    }
+}
+
+/* tr_linear_amx's products for any rows, inside its threads: per block of 32 outputs, the row tiles two at a time
+ * (amx_block2; a last odd one amx_block1), the block's weights from memory on the first pair and from the core's
+ * cache for the others. Whole tiles of an output that stays in the cache are stored straight into y; the others go
+ * through a buffer, an output larger than the L2 cache (stream) in streamed stores. */
+static void amx_tiles(const char *a, int64_t lda, const uint16_t *tiles, int kb, int count, int mt, int n, int out,
+                      float *y, int stream) {
+    float c[32 * 32];
+    _Pragma("omp for schedule(static)")
+    for (int t = 0; t < count; t++) {
+        const uint16_t *w = tiles + (int64_t)t * kb * 2 * 512;
+        int o0 = t * AMX_OUT, cols = out - o0 < AMX_OUT ? out - o0 : AMX_OUT;
+        for (int m = 0; m < mt; m += 2) {
+            int two = m + 1 < mt, r0 = m * 16, rows = n - r0 < (two ? 32 : 16) ? n - r0 : (two ? 32 : 16);
+            const char *arow = a + (int64_t)m * 16 * lda;
+            int whole = !stream && cols == AMX_OUT && rows == (two ? 32 : 16);
+            float *to = whole ? y + (int64_t)r0 * out + o0 : c;
+            if (two)
+                amx_block2(arow, lda, w, kb, m == 0, to, whole ? out : 32);
+            else
+                amx_block1(arow, lda, w, kb, m == 0, to, whole ? out : 32);
+            if (whole)
+                continue;
+            for (int r = 0; r < rows; r++) {
+                float *dst = y + (int64_t)(r0 + r) * out + o0;
+                if (stream && cols == 32 && ((uintptr_t)dst & 63) == 0) {
+                    _mm512_stream_ps(dst, _mm512_loadu_ps(c + r * 32));
+                    _mm512_stream_ps(dst + 16, _mm512_loadu_ps(c + r * 32 + 16));
+                } else
+                    memcpy(dst, c + r * 32, sizeof(float) * cols);
+            }
+        }
     }
 }
 
@@ -750,29 +859,10 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
                 amx_round_row(x + (int64_t)r * in, in, (uint16_t *)((char *)a + r * lda));
         }
         amx_configure();
-        float c[32 * 32];
-        _Pragma("omp for schedule(static)")
-        for (int t = 0; t < count; t++) {
-            const uint16_t *w = tiles + (int64_t)t * kb * 2 * 512;
-            int o0 = t * AMX_OUT, cols = out - o0 < AMX_OUT ? out - o0 : AMX_OUT;
-            for (int m = 0; m < mt; m += 2) {
-                int two = m + 1 < mt;
-                const char *arow = (const char *)a + (int64_t)m * 16 * lda;
-                if (two)
-                    amx_block2(arow, lda, w, kb, m == 0, c);
-                else
-                    amx_block1(arow, lda, w, kb, m == 0, c);
-                int r0 = m * 16, rows = n - r0 < (two ? 32 : 16) ? n - r0 : (two ? 32 : 16);
-                for (int r = 0; r < rows; r++) {
-                    float *dst = y + (int64_t)(r0 + r) * out + o0;
-                    if (stream && cols == 32 && ((uintptr_t)dst & 63) == 0) {
-                        _mm512_stream_ps(dst, _mm512_loadu_ps(c + r * 32));
-                        _mm512_stream_ps(dst + 16, _mm512_loadu_ps(c + r * 32 + 16));
-                    } else
-                        memcpy(dst, c + r * 32, sizeof(float) * cols);
-                }
-            }
-        }
+        if (mt == 1 && !stream)
+            amx_one_tile((const char *)a, lda, tiles, kb, count, n, out, y);
+        else
+            amx_tiles((const char *)a, lda, tiles, kb, count, mt, n, out, y, stream);
         if (stream)
             _mm_sfence(); /* the streamed stores reach memory before the threads part */
         _tile_release();
