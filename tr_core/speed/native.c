@@ -759,32 +759,35 @@ static void amx_round_row(const float *xr, int in, uint16_t *h) {
 }
 
 /* tr_linear_amx's products for one row tile (n <= 16 rows, an output that stays in the cache), inside its threads:
- * the blocks two at a time (amx_block1x2: one A tile a run for both, two streams of weights), an odd count's last
- * block by one thread (amx_block1). Whole tiles are stored straight into y, others through a buffer. */
+ * the blocks shared out in `parts` runs of consecutive blocks (one a thread: as even as static scheduling of the
+ * blocks), each run's blocks two at a time (amx_block1x2: one A tile a run for both, two streams of weights), an odd
+ * run's last block alone (amx_block1). Whole tiles are stored straight into y, others through a buffer. */
 static void amx_one_tile(const char *a, int64_t lda, const uint16_t *tiles, int kb, int count, int n, int out,
-                         float *y) {
+                         float *y, int parts) {
     float c[16 * 32], c2[16 * 32];
-    int64_t bytes = (int64_t)kb * 2 * 512; /* a block's tiles, in uint16_t */
+    int64_t size = (int64_t)kb * 2 * 512; /* a block's tiles, in uint16_t */
     _Pragma("omp for schedule(static)")
-    for (int q = 0; q < count / 2; q++) {
-        int o0 = 2 * q * AMX_OUT, cols2 = out - o0 - AMX_OUT < AMX_OUT ? out - o0 - AMX_OUT : AMX_OUT;
-        const uint16_t *w = tiles + 2 * q * bytes;
-        if (n == 16 && cols2 == AMX_OUT) {
-            amx_block1x2(a, lda, w, w + bytes, kb, y + o0, y + o0 + AMX_OUT, out);
-            continue;
+    for (int part = 0; part < parts; part++) {
+        int t = (int)((int64_t)count * part / parts), end = (int)((int64_t)count * (part + 1) / parts);
+        for (; t + 2 <= end; t += 2) {
+            int o0 = t * AMX_OUT, cols2 = out - o0 - AMX_OUT < AMX_OUT ? out - o0 - AMX_OUT : AMX_OUT;
+            const uint16_t *w = tiles + t * size;
+            if (n == 16 && cols2 == AMX_OUT) {
+                amx_block1x2(a, lda, w, w + size, kb, y + o0, y + o0 + AMX_OUT, out);
+                continue;
+            }
+            amx_block1x2(a, lda, w, w + size, kb, c, c2, 32);
+            for (int r = 0; r < n; r++) {
+                memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * AMX_OUT);
+                memcpy(y + (int64_t)r * out + o0 + AMX_OUT, c2 + r * 32, sizeof(float) * cols2);
+            }
         }
-        amx_block1x2(a, lda, w, w + bytes, kb, c, c2, 32);
-        for (int r = 0; r < n; r++) {
-            memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * AMX_OUT);
-            memcpy(y + (int64_t)r * out + o0 + AMX_OUT, c2 + r * 32, sizeof(float) * cols2);
-        }
-    }
-    if (count % 2) {
-        _Pragma("omp single")
-        {
-            int o0 = (count - 1) * AMX_OUT;
-            amx_block1(a, lda, tiles + (count - 1) * bytes, kb, 1, c, 32);
-            for (int r = 0; r < n; r++) memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * (out - o0));
+        if (t < end) {
+            int o0 = t * AMX_OUT, cols = out - o0 < AMX_OUT ? out - o0 : AMX_OUT;
+            int whole = n == 16 && cols == AMX_OUT;
+            amx_block1(a, lda, tiles + t * size, kb, 1, whole ? y + o0 : c, whole ? out : 32);
+            if (!whole)
+                for (int r = 0; r < n; r++) memcpy(y + (int64_t)r * out + o0, c + r * 32, sizeof(float) * cols);
         }
     }
 }
@@ -860,7 +863,7 @@ void tr_linear_amx(const float *x, const uint16_t *tiles, int n, int in, int out
         }
         amx_configure();
         if (mt == 1 && !stream)
-            amx_one_tile((const char *)a, lda, tiles, kb, count, n, out, y);
+            amx_one_tile((const char *)a, lda, tiles, kb, count, n, out, y, threads);
         else
             amx_tiles((const char *)a, lda, tiles, kb, count, mt, n, out, y, stream);
         if (stream)
