@@ -152,16 +152,29 @@ WIDE static float softmax_row(float *w, int64_t start, const uint8_t *ok) {
     float top[LANES];
     for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
     int64_t i = 0;
+#ifdef HAVE_AVX512 /* the same lanes' operations as the loops below (vmaxps a, b: a > b ? a : b), which gcc leaves scalar */
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    for (; i + LANES <= row_len; i += LANES) top16 = _mm512_max_ps(_mm512_loadu_ps(w + i), top16);
+    _mm512_storeu_ps(top, top16);
+#else
     for (; i + LANES <= row_len; i += LANES)
         for (int j = 0; j < LANES; j++) top[j] = w[i + j] > top[j] ? w[i + j] : top[j];
+#endif
     for (int j = 0; i < row_len; i++, j++) top[j] = w[i] > top[j] ? w[i] : top[j];
     float most = top[0];
     for (int j = 1; j < LANES; j++) most = top[j] > most ? top[j] : most;
     for (i = 0; i < row_len; i++) w[i] = exp_small(w[i] - most);
     for (int j = 0; j < BLOCK; j++) own[j] = ok[j] ? own[j] : 0.0f;
     float acc[LANES] = {0};
-    for (i = 0; i + LANES <= row_len; i += LANES)
+    i = 0;
+#ifdef HAVE_AVX512
+    __m512 acc16 = _mm512_setzero_ps();
+    for (; i + LANES <= row_len; i += LANES) acc16 = _mm512_add_ps(acc16, _mm512_loadu_ps(w + i));
+    _mm512_storeu_ps(acc, acc16);
+#else
+    for (; i + LANES <= row_len; i += LANES)
         for (int j = 0; j < LANES; j++) acc[j] += w[i + j];
+#endif
     for (int j = 0; i < row_len; i++, j++) acc[j] += w[i];
     return sum_lanes(acc);
 }
