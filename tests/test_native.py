@@ -2,6 +2,7 @@
 equal to the torch operations it replaces to float tolerance, rows still computed alike alone and among others, and
 torch's operations kept (and said) where the library cannot be built."""
 
+import math
 import shutil
 
 import pytest
@@ -562,3 +563,37 @@ def test_the_prefetch_is_timed_on_twice_the_last_level_cache_within_bounds(tmp_p
     for cache, expected in ((None, 2 * low), (32 << 20, low), (300 << 20, 600 << 20), (400 << 20, high)):
         monkeypatch.setattr(native, "_last_level_cache_bytes", lambda cache=cache: cache)
         assert native._fetch_sets() == -(-expected // per_set), cache
+
+
+@needs_compiler
+@pytest.mark.skipif(not _cpu_has_avx512_for_linear(), reason="tr_top_k is built where the CPU has AVX-512 F/BW/VL")
+def test_the_c_top_k_finds_each_rows_k_best_and_topk_asks_it_for_a_large_vocabulary():
+    """native.c's ``tr_top_k`` against ``torch.topk`` over the embedded model's vocabulary (49,152) and a ragged one:
+    the same values best first, ids that hold them, the lowest first among equal values (rows full of ties); it
+    declines what it cannot answer (a NaN, fewer than k values above -infinity, a strided view, k past 64), and
+    ``topk.top_k`` takes its answer for a large vocabulary once the library has loaded."""
+    from tr_core import topk
+    library_here()
+    assert "tr_top_k" in native._OPTIONAL_HERE and topk._FASTER == [native.top_k]
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 5003):
+        x = torch.randn(21, vocab, generator=g)
+        x[3] = torch.randint(0, 4, (vocab,), generator=g).float()  # thousands of equal values
+        x[5, ::7] = 50.0  # ties at the top
+        x[7, 100:] = -math.inf
+        for k in (1, 8, 16):
+            for rows in (1, 2, 21):
+                values, ids = native.top_k(x[:rows], k)
+                assert torch.equal(values, torch.topk(x[:rows], k).values)
+                assert torch.equal(x[:rows].gather(1, ids), values)
+                for r in range(rows):  # among equal values the lowest ids, in order
+                    for w in values[r].unique().tolist():
+                        held = ids[r][values[r] == w].tolist()
+                        assert held == sorted(held) == (x[r] == w).nonzero()[:len(held), 0].tolist(), (r, w)
+        assert torch.equal(topk.top_k(x, 8).indices, native.top_k(x, 8)[1])
+    x = torch.randn(4, 5000, generator=g)
+    assert native.top_k(x[:, ::2], 8) is None and native.top_k(x, 65) is None and native.top_k(x.double(), 8) is None
+    x[2, 10] = math.nan
+    assert native.top_k(x, 8) is None
+    x[2, 10], x[1, 3:] = 0.0, -math.inf  # 3 values above -infinity: k = 3 is answered, k = 4 is not
+    assert native.top_k(x, 3) is not None and native.top_k(x, 4) is None

@@ -7,6 +7,14 @@ import torch
 
 CHUNK = 64  # top_k: ids per chunk of the first pass
 DIRECT = 4096  # top_k: rows this long or shorter go straight to torch.topk
+# a faster top_k where a backend has one (``use``): native.c's ``tr_top_k``, registered when its library loads
+_FASTER: list = []
+
+
+def use(faster) -> None:
+    """Let ``top_k`` ask ``faster(logits, k)`` first: ``(values, ids)`` with ``top_k``'s promise (the same values,
+    best first; among equal values any of their ids), or None where it declines (then torch's ops run)."""
+    _FASTER[:] = [faster]
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,7 +25,8 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     searched (plus the last ``V % CHUNK`` ids). Every value above the k-th largest ``v`` is found: a chunk holding
     one has a maximum above ``v``, and fewer than ``k`` chunks do, so it is among the ``k`` taken; and the ``k``
     chunks taken hold ``k`` distinct values of at least ``v`` (their maxima). One pass over the logits (the chunks'
-    maxima) instead of topk's partial sort of every row.
+    maxima) instead of topk's partial sort of every row. Where a backend registered a faster one (``use``), it is
+    asked first, for these rows only (shorter ones keep torch.topk's own order among equal values).
 
     >>> values, ids = top_k(torch.arange(50000.).flip(0)[None], 3)
     >>> values, ids
@@ -27,6 +36,10 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     m = vocab // CHUNK
     if vocab <= DIRECT or k > m or logits.stride(-1) != 1:
         return torch.topk(logits, k, dim=-1)
+    if _FASTER:
+        got = _FASTER[0](logits, k)
+        if got is not None:
+            return torch.return_types.topk(got)
     maxima = logits[:, :m * CHUNK].view(n, m, CHUNK).amax(dim=-1)  # (n, m): chunk c's maximum
     chunks = top_k(maxima, k).indices  # (n, k), recursively for a very large vocabulary
     ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=logits.device)).view(n, k * CHUNK)

@@ -1281,3 +1281,46 @@ void tr_layers(int layers, const int64_t *weights, const float *eps, const int64
     add_rms_norm_rows(hidden, last, final_norm, final_eps, n, d, x, threads);
 }
 #endif
+
+#ifdef HAVE_AVX512
+/* The k largest values of each row of x (n, v), best first, and their ids (among equal values the lowest id first:
+ * argmax's choice), for topk.py's top_k: one pass over each row, 16 values compared with the row's k-th best so far
+ * at a time, the few larger ones inserted in order; rows shared among the threads. Returns 0, or 1 where a row holds
+ * a NaN or fewer than k values above -infinity (its k best are then not all found here: the caller asks torch). */
+int tr_top_k(const float *x, int n, int v, int k, float *values, int64_t *ids, int threads) {
+    int bad = 0;
+    _Pragma("omp parallel for schedule(static) num_threads(threads) reduction(| : bad) if (n > 1)")
+    for (int r = 0; r < n; r++) {
+        const float *row = x + (int64_t)r * v;
+        float *best = values + (int64_t)r * k;
+        int64_t *at = ids + (int64_t)r * k;
+        for (int j = 0; j < k; j++) {
+            best[j] = -INFINITY;
+            at[j] = -1;
+        }
+        __mmask16 nan = 0;
+        __m512 least = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < v; i += 16) {
+            __mmask16 valid = i + 16 <= v ? (__mmask16)0xffff : (__mmask16)((1u << (v - i)) - 1);
+            __m512 c = _mm512_maskz_loadu_ps(valid, row + i);
+            nan |= _mm512_mask_cmp_ps_mask(valid, c, c, _CMP_UNORD_Q);
+            for (__mmask16 m = _mm512_mask_cmp_ps_mask(valid, c, least, _CMP_GT_OQ); m; m &= m - 1) {
+                int id = i + __builtin_ctz(m), p = k - 1;
+                float w = row[id];
+                if (!(w > best[k - 1]))
+                    continue;
+                for (; p > 0 && w > best[p - 1]; p--) { /* after the equal ones: they have lower ids */
+                    best[p] = best[p - 1];
+                    at[p] = at[p - 1];
+                }
+                best[p] = w;
+                at[p] = id;
+                least = _mm512_set1_ps(best[k - 1]);
+            }
+        }
+        if (nan || at[k - 1] < 0)
+            bad = 1;
+    }
+    return bad;
+}
+#endif
