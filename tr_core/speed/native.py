@@ -574,8 +574,14 @@ def _top_k_check(fn) -> bool:
     values, ids = torch.empty(5, 9), torch.empty(5, 9, dtype=torch.int64)
     if fn(x.data_ptr(), 5, 1003, 9, values.data_ptr(), ids.data_ptr(), max(2, torch.get_num_threads())):
         return False
-    lowest = [[min(i for i in range(1003) if x[r, i] == w and i not in ids[r, :j].tolist()) for j, w in
-               enumerate(values[r].tolist())] for r in range(5)]
+    lowest = []  # per row, each value's ids in order: the lowest not yet taken
+    for row, got in zip(x.tolist(), values.tolist()):
+        after: dict[float, int] = {}
+        lowest.append([])
+        for w in got:
+            at = row.index(w, after.get(w, 0))
+            after[w] = at + 1
+            lowest[-1].append(at)
     same = torch.equal(values, torch.topk(x, 9).values) and torch.equal(ids, torch.tensor(lowest))
     x[2, 500] = math.nan
     return same and fn(x.data_ptr(), 5, 1003, 9, values.data_ptr(), ids.data_ptr(), 1) == 1
