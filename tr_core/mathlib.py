@@ -5,10 +5,10 @@ torch built with Intel's MKL computes ``cos``, ``sin``, ``exp`` and others of fl
 threads) the first such call in a process, when its pieces ran on two threads at once, gave the first piece values
 up to 1.5e-4 off (later calls: 6e-8) in 11 of 30 fresh processes: ``torch.cos`` of 4,096 floats, nothing else
 imported. A Llama model's rotary embedding is such a call (``cos`` of positions x frequencies), so a process's first
-prompt of 33 tokens or more could be prefilled with other keys than the same prompt later: decoding the first prompt
-and then the same prompt again, or the invariance check's first forward, gave other tokens or logits. One call of
-one value on this thread alone first (``settle``) did away with it: 0 of 30 processes, in each of several repro
-scripts. ``tr_core.models`` makes that call when it is imported, before any model is loaded or run; the same bits
+prompt of 33 tokens or more could be prefilled with other keys than the same prompt later, and so decode other
+tokens; the invariance check's first forward (130 tokens) gave other logits in 3 of 30 processes (docs/speed.md). One
+call of one value on this thread alone first (``settle``) did away with it: 0 of 30 processes, in each of several
+repro scripts. ``tr_core.models`` makes that call when it is imported, before any model is loaded or run; the same bits
 then come out every time.
 """
 
