@@ -5,6 +5,8 @@ about a third of fresh processes on an Intel Xeon with AMX: mathlib.py)."""
 import subprocess
 import sys
 
+import pytest
+
 import tr_core.models  # noqa: F401 (what settles the vector math in every process that loads a model)
 
 # a fresh interpreter: the package's settling first, then cos over 4,096 floats (two pieces of 2,048, one per thread
@@ -24,6 +26,7 @@ def test_models_settles_the_vector_math_on_import():
     assert sys.modules["tr_core.mathlib"]._settled
 
 
+@pytest.mark.slow  # 12 interpreters: ~16 s
 def test_a_fresh_process_first_vector_math_call_gives_the_later_calls_bits():
     results = [subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True, timeout=120)
                for _ in range(PROCESSES)]
