@@ -737,6 +737,9 @@ def preload(models: ModelCache) -> None:
     """Load the default model so that the first Run only decodes. A failure is reported here and again, to the
     user, at their first run."""
     try:
+        # the fast mode first: measuring its kernels times the exact mode's candidates too, which the exact mode then
+        # reads (tr_core.speed.layouts.wider_cache) instead of timing them again
+        models.get("", "fast")
         models.get("")
         mode, why = models.measure_modes()  # the page's default mode: the one measured faster here
         print(f"default mode: {mode} ({why})", flush=True)

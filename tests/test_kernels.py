@@ -287,6 +287,35 @@ def test_the_timings_are_measured_once_per_machine_and_cached(monkeypatch, tmp_p
     assert len(calls) == 4 and len(list((tmp_path / "token-recycling" / "kernels").glob("*.json"))) == 2
 
 
+def test_the_exact_mode_reads_the_fast_modes_timings_of_its_layouts_instead_of_timing_them_again(monkeypatch,
+                                                                                                   tmp_path):
+    # the fast mode's rounds time the fp32 layouts too (its candidates include the exact mode's): measured fast
+    # first (as the app's start does), exact reads them, its own layouts only, and says where they came from
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+
+    def fake_measure(model, names, report_busy, **kw):
+        calls.append(list(names))
+        return {(s, r, n): 1.0 + (n == "linear") for s in linear_shapes(model) for r in (1, 2) for n in names}, False
+    monkeypatch.setattr(layouts, "measure", fake_measure)
+    model = tiny_model("llama", dtype=torch.float32)
+    fast = layouts.plan_inputs(model, "fast")
+    exact = layouts.plan_inputs(model, "exact")
+    assert len(calls) == 1 and {LAYOUTS[n].fmt for n in calls[0]} > {"fp32"}  # measured once, with every format
+    assert exact["source"] == "cached, timed with the fast mode's candidates"
+    fp32 = [n for n in calls[0] if LAYOUTS[n].fmt == "fp32"]
+    assert exact["available"] == fp32 and {n for _, _, n in exact["timings"]} == set(fp32)
+    assert exact["timings"] == {k: v for k, v in fast["timings"].items() if k[2] in fp32}
+    assert all(layouts.base_layout(f) in fp32 for families in exact["invariant"].values() for f in families)
+    assert layouts.make_plan("exact", **{k: v for k, v in exact.items()}).fmt == "fp32"
+    # measured the other way round, the exact mode's own timings cannot serve the fast mode: it measures
+    other = tiny_model("llama", dtype=torch.float32)
+    other.config._name_or_path = "another"
+    layouts.plan_inputs(other, "exact")
+    layouts.plan_inputs(other, "fast")
+    assert [len({LAYOUTS[n].fmt for n in c}) for c in calls[1:]] == [1, len({LAYOUTS[n].fmt for n in calls[0]})]
+
+
 def test_measuring_times_every_shape_row_count_and_layout():
     model = tiny_model("llama", dtype=torch.float32)
     names = [n for n in available_layouts() if LAYOUTS[n].fmt == "fp32"]
@@ -540,6 +569,45 @@ def test_without_memory_for_the_copies_the_linear_layers_choose_and_the_sentence
     said = kernels.describe_format(plan)
     assert "linear layers 1.3x faster than fp16 weights" in said
     assert "chosen on the linear layers' times alone: timing each format's whole step needs" in said
+
+
+@needs_fbgemm
+def test_a_cold_choice_checks_and_times_one_copy_of_each_format(monkeypatch, tmp_path):
+    """The invariance check and the whole steps use the same prepared copy of a format (``chooser.Trials``): each
+    format is copied and packed once a choice, not once for each; without the memory for all of them at once, each
+    copy goes after its check and the linear layers choose."""
+    from tr_core.speed import invariance
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
+    prepared, checked, timed = [], [], []
+    real_apply = chooser.apply_plan
+
+    def counted_apply(model, plan):
+        prepared.append(plan.fmt)
+        return real_apply(model, plan)
+
+    def fake_check(model, ids=None, pasts=invariance.PASTS):
+        checked.append((kernels.plan_of(model).fmt, id(model)))
+        return {}
+
+    def fake_whole(models, sizes, **kw):
+        timed.extend((fmt, id(m)) for fmt, m in models.items())
+        return {fmt: {n: {"fp32": 8.0, "fp16": 5.0, "bf16": 12.0}[fmt] for n in sizes} for fmt in models}, False
+    monkeypatch.setattr(chooser, "apply_plan", counted_apply)
+    monkeypatch.setattr(invariance, "check", fake_check)
+    monkeypatch.setattr(stepbench, "whole_steps_ms", fake_whole)
+    model = tiny_model("llama", dtype=torch.float32)
+    plan = chooser.choose_plan(model, "fast")
+    assert plan.fmt == "fp16" and sorted(prepared) == ["bf16", "fp16", "fp32"]  # one copy a format
+    assert sorted(checked) == sorted(timed)  # the copies checked are the copies timed
+    assert kernels.plan_of(model) is None
+    # no memory to hold them all: each copy goes after its check, and the whole steps are not timed
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "small"))
+    monkeypatch.setattr(chooser, "available_memory_bytes", lambda: 2**20)
+    prepared.clear()
+    plan = chooser.choose_plan(tiny_model("llama", dtype=torch.float32), "fast")
+    assert sorted(prepared) == ["bf16", "fp16", "fp32"] and len(timed) == 3 and plan.fmt == "bf16"
 
 
 def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was():

@@ -75,9 +75,52 @@ def choose_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = Non
                 ) -> KernelPlan:
     """The plan ``prepare_model`` puts into ``model`` (fp32, fused, not yet prepared) in ``mode``: the format
     (``choose_format_plan``), and for the amx format whether attention runs on the tiles (``tiles_choice``)."""
-    plan = choose_format_plan(model, mode, gain, remeasure)
-    plan.tiles, plan.tiles_note = tiles_choice(model, plan, remeasure)
+    copies = Trials(model, mode)
+    try:
+        plan = choose_format_plan(model, mode, gain, remeasure, copies)
+        plan.tiles, plan.tiles_note = tiles_choice(model, plan, remeasure, copies)
+    finally:
+        copies.clear()
     return plan
+
+
+class Trials:
+    """Copies of ``model``, each with one format's plan put in (``kernels.apply_plan``), made once for one choice:
+    the invariance check (``invariant_plans``), the whole steps (``whole_steps``) and the tiles' choice
+    (``tiles_choice``) use the same copy of a format, where they would each make their own (on a cold start of the
+    embedded model here, five formats: 4.4 s of copying and packing each time). A copy is kept (``keep``) only where
+    memory holds one of every format, as ``whole_steps`` needs; else it goes after its use (``done``)."""
+
+    def __init__(self, model: nn.Module, mode: str):
+        self.model, self.mode = model, mode
+        self.made: dict[str, nn.Module] = {}
+        self.keep = False
+
+    def plan_to_keep(self, formats: int) -> None:
+        """Keep copies from now on where ``formats`` copies and the model fit in the memory available."""
+        free = available_memory_bytes()
+        self.keep = free is None or (formats + 1) * model_bytes(self.model) <= free
+
+    def get(self, fmt: str, plan: KernelPlan) -> nn.Module:
+        """The copy prepared with ``plan`` (format ``fmt``), made now if there is none."""
+        if fmt not in self.made:
+            with trials(self.mode):  # what the mode runs here is said by the models it prepares, not by trials
+                trial = copy.deepcopy(self.model)
+                apply_plan(trial, plan)
+            self.made[fmt] = trial
+        return self.made[fmt]
+
+    def done(self, fmt: str) -> None:
+        """A use of ``fmt``'s copy is over: dropped unless copies are kept."""
+        if not self.keep:
+            self.made.pop(fmt, None)
+
+    def clear(self) -> None:
+        self.made.clear()
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # Rounds of whole steps with attention on the tiles against fp32 attention that ``tiles_choice`` times
@@ -102,11 +145,13 @@ def choose_tiles(pairs: dict[int, tuple[float, float, float]]) -> tuple[bool, st
                 f"their time with fp32 attention ({said})")
 
 
-def tiles_choice(model: nn.Module, plan: KernelPlan, remeasure: bool = False) -> tuple[bool | None, str]:
+def tiles_choice(model: nn.Module, plan: KernelPlan, remeasure: bool = False, copies: Trials | None = None
+                 ) -> tuple[bool | None, str]:
     """For the amx format where attention on the tiles is built here and the model takes it (head size 64):
     ``choose_tiles`` on whole steps of ``plan`` put into a copy of ``model``, the tiles against fp32 attention in
     TILES_ROUNDS alternated rounds (``stepbench.attention_pairs``), cached per machine, model, plan and code
-    (``remeasure``: not read); (None, "") elsewhere. The format itself was chosen with the tiles on."""
+    (``remeasure``: not read); (None, "") elsewhere. The format itself was chosen with the tiles on. ``copies``:
+    the choice's copies (``Trials``), whose amx copy it times where there is one."""
     if plan.fmt != "amx" or not native.attention_tiles_built():
         return None, ""
     key = "-".join([layouts.cache_key(model, plan.mode), plan.tag(), str(TILES_ROUNDS),
@@ -116,25 +161,25 @@ def tiles_choice(model: nn.Module, plan: KernelPlan, remeasure: bool = False) ->
     if path.is_file() and not remeasure:
         kept = json.loads(path.read_text())
         return kept["on"], kept["note"]
-    with trials(plan.mode):  # what the mode runs here is said by the models it prepares, not by this trial
-        trial = copy.deepcopy(model)
-        apply_plan(trial, plan)
-        before = native.attention_on_tiles() is not None
-        native.set_attention_on_tiles(True)
-        try:
-            if not getattr(body(trial), "_on_tiles", bool)():  # a head size the tiles do not take: nothing to weigh
-                return None, ""
-            on, note = choose_tiles(stepbench.attention_pairs(trial, DEFAULT_FIT_CONTEXT, TILES_ROUNDS))
-        finally:
-            native.set_attention_on_tiles(before)
-            del trial
+    copies = copies or Trials(model, plan.mode)
+    trial = copies.get(plan.fmt, plan)
+    before = native.attention_on_tiles() is not None
+    native.set_attention_on_tiles(True)
+    try:
+        if not getattr(body(trial), "_on_tiles", bool)():  # a head size the tiles do not take: nothing to weigh
+            return None, ""
+        on, note = choose_tiles(stepbench.attention_pairs(trial, DEFAULT_FIT_CONTEXT, TILES_ROUNDS))
+    finally:
+        native.set_attention_on_tiles(before)
+        del trial
+        copies.done(plan.fmt)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps({"on": on, "note": note}, indent=1))
     return on, note
 
 
-def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False
-                       ) -> KernelPlan:
+def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | None = None, remeasure: bool = False,
+                       copies: Trials | None = None) -> KernelPlan:
     """The plan's format and layouts (``choose_plan``): among the formats
     the mode may run here (``layouts.format_plans``), the one whose *whole* steps decode fastest (``layouts.
     pick_format`` on ``whole_steps``), each format's plan put into a copy of the model and timed here; the linear
@@ -142,15 +187,18 @@ def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | Non
     machine: bf16 won on the linear layers, 0.150 expected tokens per ms against fp16's 0.140, and its whole one-token
     step took 32.8 ms against fp16's ~10, as only the fp32-activation formats run the small operations in C). Where
     there is one format, or no memory for the copies, the linear layers' choice, and the plan says why.
-    ``remeasure``: time the layouts and the whole steps again."""
+    ``remeasure``: time the layouts and the whole steps again. ``copies``: the prepared copies to check and time
+    (``Trials``)."""
     plans = layouts.format_plans(model, mode, gain=gain, remeasure=remeasure)
-    plans = invariant_plans(model, plans, remeasure=remeasure)
+    copies = copies or Trials(model, mode)
+    copies.plan_to_keep(len(plans))
+    plans = invariant_plans(model, plans, remeasure=remeasure, copies=copies)
     first = next(iter(plans.values()))
     if len(plans) < 2:
         return first
     sizes = WHOLE_SIZES if gain else tuple(n for n in WHOLE_SIZES if n <= layouts.FORMAT_MAX_ROWS)
     whole, why, retimed = whole_steps(model, plans, sizes, cache=first.source != layouts.BUSY_SOURCE,
-                                      remeasure=remeasure, gain=gain)
+                                      remeasure=remeasure, gain=gain, copies=copies)
     if whole is None:
         first.whole_note = why
         return first
@@ -164,8 +212,8 @@ def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | Non
     return plan
 
 
-def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: bool = False
-                    ) -> dict[str, KernelPlan]:
+def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: bool = False,
+                    copies: Trials | None = None) -> dict[str, KernelPlan]:
     """The plans of ``plans`` (format -> plan, ``layouts.format_plans``) whose whole prepared model is batch-invariant
     here (``invariance.check``: a position's logits the same alone, in trees and in prefills fed in pieces), each
     holding the formats left out with what differed (``KernelPlan.dropped``). Each format's plan is put into a copy
@@ -174,8 +222,9 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
     dropped a format on a bad first forward) (``remeasure``: not read). A plan whose layouts are not row-invariant
     already (``plan.invariant`` false), or whose model does not run the batch-invariant attention, is kept unchecked:
     its description says so. Where no format passes, every plan is kept, each marked not invariant with why (the
-    exact mode has only fp32)."""
+    exact mode has only fp32). ``copies``: where the prepared copies come from and stay (``Trials``)."""
     mode = next(iter(plans.values())).mode
+    copies = copies or Trials(model, mode)
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()),
                     layouts.source_digest(invariance, lean, attention, kernels_module, mathlib,
                                           sys.modules[__name__])])
@@ -185,18 +234,17 @@ def invariant_plans(model: nn.Module, plans: dict[str, KernelPlan], remeasure: b
     if path.is_file() and not remeasure:
         verdicts = json.loads(path.read_text())
     known = dict(verdicts)
-    with trials(mode):  # what the mode runs here is said by the models it prepares, not by these trials
-        for fmt, plan in plans.items():
-            if fmt in verdicts or not plan.invariant:
-                continue
-            trial = copy.deepcopy(model)
-            apply_plan(trial, plan)
-            # None: not checked, where the attention is not the batch-invariant one (the description says so) or
-            # the model takes fewer positions than the check
-            room = max_positions(model) or invariance.probe_ids(1).numel()
-            checkable = attention_invariant(trial) and room >= invariance.probe_ids(1).numel()
-            verdicts[fmt] = invariance.verdict(invariance.check(trial)) if checkable else None
-            del trial
+    for fmt, plan in plans.items():
+        if fmt in verdicts or not plan.invariant:
+            continue
+        trial = copies.get(fmt, plan)
+        # None: not checked, where the attention is not the batch-invariant one (the description says so) or the
+        # model takes fewer positions than the check
+        room = max_positions(model) or invariance.probe_ids(1).numel()
+        checkable = attention_invariant(trial) and room >= invariance.probe_ids(1).numel()
+        verdicts[fmt] = invariance.verdict(invariance.check(trial)) if checkable else None
+        del trial
+        copies.done(fmt)
     if verdicts != known:  # written where something was checked now
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(verdicts, indent=1))
@@ -224,7 +272,7 @@ def available_memory_bytes() -> int | None:
 
 
 def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int, ...], cache: bool = True,
-                remeasure: bool = False, gain: dict[int, float] | None = None
+                remeasure: bool = False, gain: dict[int, float] | None = None, copies: Trials | None = None
                 ) -> tuple[dict[str, dict[int, float]] | None, str, list[str]]:
     """Per format of ``plans``, t(N) of a whole step at ``sizes`` (``stepbench.whole_steps_ms``: the forward, the
     output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
@@ -233,7 +281,8 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     every format is timed again in ``layouts.CLOSE_ROUNDS`` rounds, and that reading is the result. Cached per
     machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not written where other
     processes competed for the cores. Returns (steps, how they were obtained, the close formats that made it time
-    again), or (None, why, []) where the copies would not fit in the memory available."""
+    again), or (None, why, []) where the copies would not fit in the memory available. ``copies``: the choice's
+    copies (``Trials``), those made already used as they are."""
     mode = next(iter(plans.values())).mode
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
                     layouts.source_digest(stepbench), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}-all"])
@@ -243,26 +292,26 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
         data = json.loads(path.read_text())
         retimed, data = (data["retimed"], data["steps"]) if "steps" in data else ([], data)  # earlier files: steps
         return {fmt: {int(n): ms for n, ms in by.items()} for fmt, by in data.items()}, "cached", retimed
-    need = (len(plans) + 1) * sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = copies or Trials(model, mode)
+    held = [fmt for fmt in plans if fmt in copies.made]
+    need = (len(plans) - len(held) + 1) * model_bytes(model)
     free = available_memory_bytes()
     if free is not None and need > free:
         return None, (f"chosen on the linear layers' times alone: timing each format's whole step needs "
                       f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available"), []
-    copies = {}
+    models = {}
     try:
-        with trials(mode):  # what the mode runs here is said by the models it prepares, not by these trials
-            for fmt, plan in plans.items():
-                copies[fmt] = copy.deepcopy(model)
-                apply_plan(copies[fmt], plan)
-            steps, busy = stepbench.whole_steps_ms(copies, sizes)
-            retimed = layouts.close_formats(steps, gain)
-            if retimed:  # every format again, so that all are compared on one reading: this machine's memory may
-                # run at half the speed a minute later (the close ones alone, timed again, once lost to fp32's first
-                # reading)
-                steps, busy_again = stepbench.whole_steps_ms(copies, sizes, repeats=layouts.CLOSE_ROUNDS)
-                busy = busy or busy_again
+        models = {fmt: copies.get(fmt, plan) for fmt, plan in plans.items()}
+        steps, busy = stepbench.whole_steps_ms(models, sizes)
+        retimed = layouts.close_formats(steps, gain)
+        if retimed:  # every format again, so that all are compared on one reading: this machine's memory may run
+            # at half the speed a minute later (the close ones alone, timed again, once lost to fp32's first reading)
+            steps, busy_again = stepbench.whole_steps_ms(models, sizes, repeats=layouts.CLOSE_ROUNDS)
+            busy = busy or busy_again
     finally:
-        copies.clear()
+        models.clear()
+        for fmt in plans:
+            copies.done(fmt)
     if cache and not busy:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps({"steps": steps, "retimed": retimed}, indent=1))

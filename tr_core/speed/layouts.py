@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from ..cachefiles import write_atomically
 from ..machine import cpu_name  # noqa: F401 (read here by the other modules of the room)
 from ..models import default_cache_dir
+from ..modes import MODES
 from . import native
 from .fusion import stackable
 from .tiles import TILE, WeightTiles, weight_tiles  # noqa: F401 (offered here)
@@ -862,20 +863,25 @@ def format_plans(model: nn.Module, mode: str, use_cache_file: bool = True, remea
 def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeasure: bool = False,
                 **measure_kw) -> dict:
     """``make_plan``'s arguments but the mode (timings, counts, available, source, invariant, inside) for ``model``
-    in ``mode``: this machine's cached timings, else (or with ``remeasure``) measured now and cached, unless other
-    processes competed for the cores meanwhile (then used by this process, measured again by the next)."""
+    in ``mode``: this machine's cached timings, else those of a mode whose candidates include all of this mode's
+    (``wider_cache``: the exact mode's from the fast mode's, which times the fp32 layouts in the same passes as the
+    others), else (or with ``remeasure``) measured now and cached, unless other processes competed for the cores
+    meanwhile (then used by this process, measured again by the next)."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
     stack = stackable(model)
     path = cache_path(model, mode)
-    if use_cache_file and not remeasure and path.is_file():
-        data = json.loads(path.read_text())
+    cached = None
+    if use_cache_file and not remeasure:
+        cached = (json.loads(path.read_text()), "cached") if path.is_file() else wider_cache(model, mode, layouts)
+    if cached is not None:
+        data, source = cached
         here = set(layouts)  # a cache folder copied from another machine may name layouts that do not run here
         timings = {(s, int(r), name): ms for s, r, name, ms in data["timings"] if name.removeprefix(INSIDE) in here}
         timings, inside = _split_inside(timings)
         invariant = {s: [f for f in families if base_layout(f) in here] for s, families in data["invariant"].items()}
         return dict(timings=timings, counts=counts, available=[n for n in data["available"] if n in here],
-                    source="cached", invariant=invariant, inside=inside if stack else None)
+                    source=source, invariant=invariant, inside=inside if stack else None)
     invariant = row_invariant(_shape_sizes(model), layouts)
     timings, busy = measure(model, layouts, report_busy=True, inside=stack, **measure_kw)
     timings, inside = _split_inside(timings)
@@ -890,6 +896,23 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
         write_atomically(path, json.dumps({"available": layouts, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                                     "invariant": invariant, "timings": rows}, indent=0))
     return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside)
+
+
+def wider_cache(model: nn.Module, mode: str, layouts: Iterable[str]) -> tuple[dict, str] | None:
+    """This machine's cached timings of another mode that timed every one of ``layouts`` (``mode``'s candidates),
+    and the plan's source that says so; None where there are none. Each round of ``measure`` times every layout in
+    turn, so the fast mode's passes over the fp32 layouts are timed as the exact mode's own would be (in fewer
+    rounds: its budget, ``measure``'s ``budget_s``, is shared by more layouts), and its row-invariance check covers
+    them. The app prepares the fast mode first at its start (``app.preload``) and so measures the
+    layouts once: on a cold start here the exact mode's own measurement took 15 s (13 s of timings, 2 s of checks)."""
+    for other in MODES:
+        path = cache_path(model, other)
+        if other == mode or not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        if set(layouts) <= set(data["available"]):
+            return data, f"cached, timed with the {other} mode's candidates"
+    return None
 
 
 def _split_inside(timings: Timings) -> tuple[dict, dict]:
