@@ -505,27 +505,30 @@ def test_the_fast_format_is_chosen_on_whole_steps_not_on_the_linear_layers_alone
 
 @needs_fbgemm
 def test_a_close_call_between_formats_times_every_format_again(monkeypatch, tmp_path):
-    """fp16 weights and bf16 come out within 10% in the first rounds (fp32 far behind): every format is timed
-    again, in more rounds, and the second reading decides (all formats on one reading: the machine may have slowed
-    down in between); the plan says so, and so does the cache."""
+    """fp16 weights and bf16 come out within 10% in the first rounds (fp32 far behind): every format is timed in
+    more rounds, added to the first ones (``pool``), and the reading over all of them decides (every format in every
+    round: the machine may slow down in between); the plan says so, and so does the cache."""
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     _stub_linear_times(monkeypatch, {"linear": 4.0, "fp16w": 2.0, "bf16-linear": 1.5})
     trials = []
 
     def fake_whole(models, sizes, **kw):
-        trials.append((sorted(models), kw.get("repeats")))
+        trials.append((sorted(models), kw.get("repeats"), kw.get("pool")))
         ms = {"fp32": 8.0, "fp16": 5.0, "bf16": 5.3} if len(trials) == 1 else {"fp32": 9.0, "fp16": 6.0, "bf16": 4.8}
         return {name: {n: ms[name] * (1 + n / 16) for n in sizes} for name in models}, False
     monkeypatch.setattr(stepbench, "whole_steps_ms", fake_whole)
     model = tiny_model("llama", dtype=torch.float32)
     plan = prepare_model(model, "fast")
-    assert trials == [(["bf16", "fp16", "fp32"], None), (["bf16", "fp16", "fp32"], layouts.CLOSE_ROUNDS)]
+    more = layouts.CLOSE_ROUNDS - layouts.FIRST_ROUNDS
+    assert [t[:2] for t in trials] == [(["bf16", "fp16", "fp32"], layouts.FIRST_ROUNDS),
+                                       (["bf16", "fp16", "fp32"], more)]
+    assert isinstance(trials[0][2], dict) and trials[0][2] is trials[1][2]  # the second continues the first's rounds
     assert plan.fmt == "bf16" and {fmt: by[1] for fmt, by in plan.whole_ms.items()} == {
-        "fp32": 9.0 * (1 + 1 / 16), "fp16": 6.0 * (1 + 1 / 16), "bf16": 4.8 * (1 + 1 / 16)}  # the second reading
+        "fp32": 9.0 * (1 + 1 / 16), "fp16": 6.0 * (1 + 1 / 16), "bf16": 4.8 * (1 + 1 / 16)}  # over all rounds
     said = kernels.describe_format(plan)
-    assert ("a close call between fp16 weights and bf16 (within 10% in the first rounds): every format timed again "
-            f"in {layouts.CLOSE_ROUNDS} rounds") in said
+    assert (f"a close call between fp16 weights and bf16 (within 10% in the first {layouts.FIRST_ROUNDS} rounds): "
+            f"every format timed in {more} more, and chosen on all {layouts.CLOSE_ROUNDS}") in said
     again = tiny_model("llama", dtype=torch.float32)  # the cache keeps the second reading and the note
     plan = prepare_model(again, "fast")
     assert plan.fmt == "bf16" and len(trials) == 2 and "a close call between fp16 weights and bf16" in \
@@ -608,6 +611,32 @@ def test_a_cold_choice_checks_and_times_one_copy_of_each_format(monkeypatch, tmp
     prepared.clear()
     plan = chooser.choose_plan(tiny_model("llama", dtype=torch.float32), "fast")
     assert sorted(prepared) == ["bf16", "fp16", "fp32"] and len(timed) == 3 and plan.fmt == "bf16"
+
+
+def test_a_second_reading_adds_its_rounds_to_the_first_ones(monkeypatch):
+    """``whole_steps_ms``' ``pool``: the second call times more rounds of the same benches (built once, no second
+    warm-up) and returns t(N) over every round of both, every model in every round, the order still turning."""
+    built, order = [], []
+
+    class Counted(stepbench.StepBench):
+        def __init__(self, model, sizes, prefix):
+            super().__init__(model, sizes, prefix)
+            self.number = len(built)
+            built.append(model)
+
+        def time_round(self, block):
+            order.append(self.number)
+            return {n: [float(len(order) + n)] * block for n in self.sizes}
+
+    monkeypatch.setattr(stepbench, "StepBench", Counted)
+    models = {"a": tiny_model("llama", dtype=torch.float32), "b": tiny_model("llama", seed=1, dtype=torch.float32)}
+    pool = {}
+    stepbench.whole_steps_ms(models, (1, 2), prefix=8, repeats=1, pool=pool)
+    assert len(built) == 2 and order == [0, 1, 1, 0]  # a warm-up round, then one counted (the order turned)
+    steps, _ = stepbench.whole_steps_ms(models, (1, 2), prefix=8, repeats=2, pool=pool)
+    assert len(built) == 2 and order == [0, 1, 1, 0, 0, 1, 1, 0]  # two more rounds, no warm-up, still turning
+    assert {name: [len(r) for r in t.values()] for name, t in pool["times"].items()} == {"a": [3, 3], "b": [3, 3]}
+    assert steps == {name: stepbench.paired_curve(t) for name, t in pool["times"].items()}
 
 
 def test_whole_steps_are_timed_on_prepared_copies_and_leave_the_model_as_it_was():

@@ -206,8 +206,9 @@ def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | Non
     plan.whole_ms = whole
     if retimed:
         plan.whole_note = (f"a close call between {' and '.join(SHORT_NAMES[f] for f in retimed)} (within "
-                           f"{layouts.CLOSE:.0%} in the first rounds): every format timed again in "
-                           f"{layouts.CLOSE_ROUNDS} rounds")
+                           f"{layouts.CLOSE:.0%} in the first {layouts.FIRST_ROUNDS} rounds): every format timed in "
+                           f"{layouts.CLOSE_ROUNDS - layouts.FIRST_ROUNDS} more, and chosen on all "
+                           f"{layouts.CLOSE_ROUNDS}")
     plan.speed = layouts.speed_by_format(whole, gain) if gain else {}
     return plan
 
@@ -277,15 +278,19 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     """Per format of ``plans``, t(N) of a whole step at ``sizes`` (``stepbench.whole_steps_ms``: the forward, the
     output layer and the top-k, at the calibration's context), each format's plan put into a deep copy of ``model``
     (all copies held at once, and timed in turn round by round). Where two or more formats come out within
-    ``layouts.CLOSE`` of the best (``layouts.close_formats``, scored with ``gain`` as ``pick_format`` scores them),
-    every format is timed again in ``layouts.CLOSE_ROUNDS`` rounds, and that reading is the result. Cached per
+    ``layouts.CLOSE`` of the best (``layouts.close_formats``, scored with ``gain`` as ``pick_format`` scores them)
+    after ``layouts.FIRST_ROUNDS`` rounds, every format is timed in more rounds, to ``layouts.CLOSE_ROUNDS`` in all,
+    and the result is taken over all of them (``stepbench.whole_steps_ms``' ``pool``; before, the first rounds were
+    thrown away and ``CLOSE_ROUNDS`` timed afresh: the whole steps took 45 and 48 s on two cold starts with a close
+    call here, 30 s now with one). Cached per
     machine, model, mode and plans (``cache``: also written; ``remeasure``: not read), and not written where other
     processes competed for the cores. Returns (steps, how they were obtained, the close formats that made it time
     again), or (None, why, []) where the copies would not fit in the memory available. ``copies``: the choice's
     copies (``Trials``), those made already used as they are."""
     mode = next(iter(plans.values())).mode
     key = "-".join([layouts.cache_key(model, mode), *sorted(p.tag() for p in plans.values()), str(sizes),
-                    layouts.source_digest(stepbench), f"close{layouts.CLOSE}x{layouts.CLOSE_ROUNDS}-all"])
+                    layouts.source_digest(stepbench),
+                    f"close{layouts.CLOSE}x{layouts.FIRST_ROUNDS}+{layouts.CLOSE_ROUNDS}-pooled"])
     name = "".join(c if c.isalnum() or c in "-._" else "_" for c in layouts.cache_key(model, mode))[:80]
     path = default_cache_dir() / "kernels" / f"whole-{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     if path.is_file() and not remeasure:
@@ -299,17 +304,20 @@ def whole_steps(model: nn.Module, plans: dict[str, KernelPlan], sizes: tuple[int
     if free is not None and need > free:
         return None, (f"chosen on the linear layers' times alone: timing each format's whole step needs "
                       f"{need / 2**30:.1f} GiB for copies of the model, and {free / 2**30:.1f} GiB is available"), []
-    models = {}
+    models, pool = {}, {}
     try:
         models = {fmt: copies.get(fmt, plan) for fmt, plan in plans.items()}
-        steps, busy = stepbench.whole_steps_ms(models, sizes)
+        steps, busy = stepbench.whole_steps_ms(models, sizes, repeats=layouts.FIRST_ROUNDS, pool=pool)
         retimed = layouts.close_formats(steps, gain)
-        if retimed:  # every format again, so that all are compared on one reading: this machine's memory may run
-            # at half the speed a minute later (the close ones alone, timed again, once lost to fp32's first reading)
-            steps, busy_again = stepbench.whole_steps_ms(models, sizes, repeats=layouts.CLOSE_ROUNDS)
+        if retimed:  # every format in more rounds, so that all are compared on the same rounds: this machine's
+            # memory may run at half the speed a minute later (the close ones alone, timed again, once lost to fp32's
+            # first reading)
+            steps, busy_again = stepbench.whole_steps_ms(models, sizes, repeats=layouts.CLOSE_ROUNDS -
+                                                         layouts.FIRST_ROUNDS, pool=pool)
             busy = busy or busy_again
     finally:
         models.clear()
+        pool.clear()
         for fmt in plans:
             copies.done(fmt)
     if cache and not busy:

@@ -53,8 +53,10 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 81)
 TIE = 0.03
 # Formats whose whole-step scores lie within this fraction of the best one's are a close call on a shared machine (one
 # run here put bf16 products' one-token step at 10.7 ms against fp16 weights' 10.0, where four other readings gave
-# 7.7-9.9 against 8.0-10.0): ``chooser.whole_steps`` then times every format again, in ``CLOSE_ROUNDS`` rounds
+# 7.7-9.9 against 8.0-10.0): ``chooser.whole_steps`` times every format in ``FIRST_ROUNDS`` rounds, and on a close
+# call in more, to ``CLOSE_ROUNDS`` rounds in all, every format timed in every round
 CLOSE = 0.10
+FIRST_ROUNDS = 3
 CLOSE_ROUNDS = 6
 # bf16p: bf16 weights and products (each linear layer's inputs rounded to bf16, its sums fp32), fp32 everywhere else;
 # only where native.c's tr_linear_bf16 runs (AVX-512 BF16)

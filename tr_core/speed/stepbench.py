@@ -94,15 +94,25 @@ class StepBench:
 
 
 def whole_steps_ms(models: dict[str, PreTrainedModel], sizes: Sequence[int], prefix: int = DEFAULT_FIT_CONTEXT,
-                   repeats: int = 3, block: int = 2) -> tuple[dict[str, dict[int, float]], bool]:
+                   repeats: int = 3, block: int = 2, pool: dict | None = None
+                   ) -> tuple[dict[str, dict[int, float]], bool]:
     """t(N) (``paired_curve``) of each of ``models`` (name -> a prepared model), timed in turn, round by round (the
     order rotated each round), so that a slow spell of the machine hits each alike; and whether other processes
-    competed for the cores meanwhile (``layouts.machine_busy``). ``chooser.choose_plan`` compares formats by it."""
-    benches = {name: StepBench(model, sizes, prefix) for name, model in models.items()}
-    times = {name: {n: [] for n in sizes} for name in benches}
-    order, load = list(benches), []
-    for round_ in range(repeats + 1):
-        for name in order:
+    competed for the cores meanwhile (``layouts.machine_busy``). ``chooser.choose_plan`` compares formats by it.
+
+    ``pool``: a dict where the call keeps its benches and rounds; a later call given the same dict times ``repeats``
+    more rounds of the same models (no warm-up round: the benches are warm) and returns t(N) over all the rounds of
+    both, every model timed in every round."""
+    pool = {} if pool is None else pool
+    if not pool:  # the first reading: a warm-up round, uncounted, then ``repeats`` rounds
+        pool.update(benches={name: StepBench(model, sizes, prefix) for name, model in models.items()},
+                    times={name: {n: [] for n in sizes} for name in models}, order=list(models), load=[])
+        counted = range(repeats + 1)
+    else:
+        counted = range(1, repeats + 1)
+    benches, times, load = pool["benches"], pool["times"], pool["load"]
+    for round_ in counted:
+        for name in pool["order"]:
             got = benches[name].time_round(block)
             if round_:
                 for n in sizes:
@@ -110,7 +120,7 @@ def whole_steps_ms(models: dict[str, PreTrainedModel], sizes: Sequence[int], pre
             running = layouts.runnable_threads()
             if running is not None:
                 load.append(running)
-        order = order[1:] + order[:1]
+        pool["order"] = pool["order"][1:] + pool["order"][:1]
     return {name: paired_curve(t) for name, t in times.items()}, layouts.machine_busy(load)
 
 
