@@ -174,21 +174,17 @@ def test_acceptance_on_the_device_equals_the_hosts():
     assert accept_on_device(torch.tensor([4]), torch.tensor([5]), chain_tree(0)).tolist() == [0, 0]
 
 
-def test_embedded_model_every_method_equals_plain_on_the_torch_backend(embedded):
+def test_the_torch_backend_fits_its_rows_on_this_machines_step_times(embedded):
+    # (every method equals plain decoding on the embedded model on this backend: the host-read test below, which
+    # decodes plain, pld, tr, tr-context and lookahead, greedy and sampled)
     from tr_core.engine import Engine, EngineConfig
-
-    model, tokenizer = embedded
     from tr_core.fixed import TILE
 
+    model, tokenizer = embedded
     engine = Engine(tiny_copy(model), tokenizer, EngineConfig(backend="torch", tree="small"))
     # the rows are fitted on this machine's own t(N) (a tree the chooser sizes, rounded up to TILE): measured, so
     # not a number to expect (16 on one run here, 8 on another); a draft larger than them is cut to them
     assert engine.rows >= TILE and engine.rows % TILE == 0 and engine.backend.name == "torch"
-    ids = engine.encode("Explain in two sentences why the sky is blue, then repeat it.")
-    for sampling in (None, Sampling(temperature=0.7, seed=2)):
-        plain = engine.generate(ids, 16, method="plain", sampling=sampling).token_ids  # 16: the suite's time
-        for method in ("tr", "tr-context", "pld", "lookahead"):
-            assert engine.generate(ids, 16, method=method, sampling=sampling).token_ids == plain, (method, sampling)
 
 
 def tiny_copy(model):
@@ -299,10 +295,11 @@ def test_the_device_check_runs_end_to_end_on_the_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("sampling", [None, Sampling(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
-def test_one_host_read_a_step_for_plain_pld_tr_and_tr_context(sampling, monkeypatch, embedded):
+def test_every_method_reads_the_host_once_a_step_and_gives_plain_decodings_tokens(sampling, monkeypatch, embedded):
     # issue 53, item 4: on the torch backend every read of device data to the host a step makes is counted on the
     # CPU (tests/device_reads.py), with the matrix on "the device" (its host-only paths, the CPU's, turned off):
-    # one a step, the step's packed read; the tokens stay plain decoding's
+    # one a step, the step's packed read; the tokens stay plain decoding's. Lookahead too (the embedded model's every
+    # method on this backend, greedy and sampled: one decoding each, its reads counted, its tokens compared)
     from device_reads import DeviceReads
 
     from tr_core import decoding
@@ -329,7 +326,7 @@ def test_one_host_read_a_step_for_plain_pld_tr_and_tr_context(sampling, monkeypa
 
     monkeypatch.setattr(decoding, "resident_step", counted)
     plain = None
-    for method in ("plain", "pld", "tr", "tr-context"):
+    for method in ("plain", "pld", "tr", "tr-context", "lookahead"):
         drafter = engine.with_matrix(engine.fresh_matrix()).drafter(method)
         steps.clear()
         counter = DeviceReads(*model.parameters(), *model.buffers(), getattr(drafter, "matrix", Matrix(1)).rows)
@@ -337,7 +334,10 @@ def test_one_host_read_a_step_for_plain_pld_tr_and_tr_context(sampling, monkeypa
             got = run(model, prompt, drafter, 24, sampling=sampling, backend=engine.backend)
         plain = plain or got.token_ids
         assert got.token_ids == plain, method
-        more = [reads for reads in steps if len(reads) != 1]
+        # lookahead (a rival, not part of issue 53's claim) also reads its own guesses at most steps (seen here:
+        # the step's read and one of lookahead.py's): the step's read, once, is what is claimed of it
+        more = [reads for reads in steps if len(reads) != 1 and not (
+            method == "lookahead" and len(reads) == 2 and reads[1].startswith("lookahead.py"))]
         assert len(steps) == got.steps and not more, (method, more)
         assert all(reads[0].startswith("decoding.py") and reads[0].endswith(" tolist") for reads in steps)
         if method == "tr-context":
