@@ -115,6 +115,10 @@ class Trials:
         if not self.keep:
             self.made.pop(fmt, None)
 
+    def retain(self, fmt: str) -> None:
+        """Drop every copy but ``fmt``'s (the format chosen, whose copy the tiles' choice may time)."""
+        self.made = {f: m for f, m in self.made.items() if f == fmt}
+
     def clear(self) -> None:
         self.made.clear()
 
@@ -203,6 +207,7 @@ def choose_format_plan(model: nn.Module, mode: str, gain: dict[int, float] | Non
         first.whole_note = why
         return first
     plan = plans[layouts.pick_format(whole, gain)]
+    copies.retain(plan.fmt)
     plan.whole_ms = whole
     if retimed:
         plan.whole_note = (f"a close call between {' and '.join(SHORT_NAMES[f] for f in retimed)} (within "
