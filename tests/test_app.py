@@ -355,6 +355,26 @@ def test_the_model_cache_keeps_one_copy_per_mode():
     assert models.loaded("", "exact") and models.loaded("", "fast") and not models.loaded("a/one", "fast")
 
 
+def test_the_apps_start_loads_both_modes_with_one_kernel_measurement(capsys):
+    # the first load (exact: the page's mode until measured) times the fast mode's candidates too, which the fast
+    # mode's load then reads (tr_core.speed.layouts.every_mode_at_once): one measurement of the layouts, not two
+    from tr_core.speed import layouts
+
+    seen = []
+
+    class Models:
+        def get(self, model_id="", mode="exact"):
+            seen.append((mode, layouts._EVERY_MODE))
+
+        def measure_modes(self):
+            seen.append(("which mode is faster", layouts._EVERY_MODE))
+            return "fast", "measured"
+
+    app.preload(Models())
+    assert seen == [("exact", True), ("fast", True), ("which mode is faster", False)]
+    assert "default mode: fast (measured)" in capsys.readouterr().out
+
+
 def test_a_session_keeps_its_matrix_across_runs_as_rows_over_a_shared_start(tiny_folder):
     _, model, tokenizer = tiny_folder
     small = Engine(model, tokenizer).with_config(tree="small")

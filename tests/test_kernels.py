@@ -290,7 +290,7 @@ def test_the_timings_are_measured_once_per_machine_and_cached(monkeypatch, tmp_p
 def test_the_exact_mode_reads_the_fast_modes_timings_of_its_layouts_instead_of_timing_them_again(monkeypatch,
                                                                                                    tmp_path):
     # the fast mode's rounds time the fp32 layouts too (its candidates include the exact mode's): measured fast
-    # first (as the app's start does), exact reads them, its own layouts only, and says where they came from
+    # first, exact reads them, its own layouts only, and says where they came from
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
 
@@ -313,7 +313,19 @@ def test_the_exact_mode_reads_the_fast_modes_timings_of_its_layouts_instead_of_t
     other.config._name_or_path = "another"
     layouts.plan_inputs(other, "exact")
     layouts.plan_inputs(other, "fast")
-    assert [len({LAYOUTS[n].fmt for n in c}) for c in calls[1:]] == [1, len({LAYOUTS[n].fmt for n in calls[0]})]
+    every = len({LAYOUTS[n].fmt for n in calls[0]})
+    assert [len({LAYOUTS[n].fmt for n in c}) for c in calls[1:]] == [1, every]
+    # unless both modes are asked for at once (the app's start): the exact mode, prepared first, times the fast
+    # mode's candidates, cached as the fast mode's, and the fast mode reads them
+    third = tiny_model("llama", dtype=torch.float32)
+    third.config._name_or_path = "a third"
+    with layouts.every_mode_at_once():
+        exact = layouts.plan_inputs(third, "exact")
+        fast = layouts.plan_inputs(third, "fast")
+    assert len(calls) == 4 and len({LAYOUTS[n].fmt for n in calls[3]}) == every
+    assert exact["source"] == "cached, timed with the fast mode's candidates" and fast["source"] == "cached"
+    assert exact["timings"] == {k: v for k, v in fast["timings"].items() if k[2] in fp32}
+    assert not layouts._EVERY_MODE  # put back
 
 
 def test_measuring_times_every_shape_row_count_and_layout():

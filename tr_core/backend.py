@@ -14,6 +14,7 @@ imports the decoding loop.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -203,6 +204,15 @@ def machine_profile(model: PreTrainedModel, context) -> dict:
     """What the step-cost model of ``tr_core.projection`` needs of this machine and model."""
     from .speed import machine_profile as profile
     return profile(model, context)
+
+
+@contextlib.contextmanager
+def every_mode_at_once():
+    """Within it, the first model prepared on the CPU times the kernel candidates of every mode in one measurement
+    (``speed.layouts.every_mode_at_once``): for a caller that prepares both modes, as the app does at its start."""
+    from .speed.layouts import every_mode_at_once as at_once
+    with at_once():
+        yield
 
 
 def runnable_threads() -> int | None:

@@ -20,6 +20,7 @@ numbers' recipe on AMX tiles: native.c's ``tr_linear_amx``, where the CPU has AM
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -868,7 +869,8 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     in ``mode``: this machine's cached timings, else those of a mode whose candidates include all of this mode's
     (``wider_cache``: the exact mode's from the fast mode's, which times the fp32 layouts in the same passes as the
     others), else (or with ``remeasure``) measured now and cached, unless other processes competed for the cores
-    meanwhile (then used by this process, measured again by the next)."""
+    meanwhile (then used by this process, measured again by the next). Within ``every_mode_at_once`` a mode measured
+    now times the widest mode's candidates, cached as that mode's, and reads its own from them."""
     counts = {s: len(ls) for s, ls in linear_shapes(model).items()}
     layouts = [n for n in available_layouts() if LAYOUTS[n].fmt in mode_formats(mode)]
     stack = stackable(model)
@@ -876,6 +878,10 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     cached = None
     if use_cache_file and not remeasure:
         cached = (json.loads(path.read_text()), "cached") if path.is_file() else wider_cache(model, mode, layouts)
+        widest = max(MODES, key=lambda m: len(mode_formats(m)))
+        if cached is None and _EVERY_MODE and widest != mode and set(mode_formats(mode)) <= set(mode_formats(widest)):
+            plan_inputs(model, widest, use_cache_file, remeasure, **measure_kw)  # cached unless the machine was busy
+            cached = wider_cache(model, mode, layouts)
     if cached is not None:
         data, source = cached
         here = set(layouts)  # a cache folder copied from another machine may name layouts that do not run here
@@ -900,13 +906,31 @@ def plan_inputs(model: nn.Module, mode: str, use_cache_file: bool = True, remeas
     return dict(timings=timings, counts=counts, available=layouts, invariant=invariant, inside=inside)
 
 
+_EVERY_MODE = False  # within ``every_mode_at_once``
+
+
+@contextlib.contextmanager
+def every_mode_at_once():
+    """Within it, the first mode whose layouts are timed on this machine times the widest mode's candidates (the fast
+    mode's, which include the exact mode's fp32 layouts) in one measurement, cached as that mode's, and reads its own
+    from it (``wider_cache``); the other mode then reads its cache. For a caller that prepares both modes, as the app
+    does at its start (``app.preload``): the exact mode's own measurement took 15 s on a cold start here (13 s of
+    timings, 2 s of row-invariance probes), the fast mode's 27 s, both at once 27 s. A caller of one mode (the
+    command line) times only that mode's candidates."""
+    global _EVERY_MODE
+    before, _EVERY_MODE = _EVERY_MODE, True
+    try:
+        yield
+    finally:
+        _EVERY_MODE = before
+
+
 def wider_cache(model: nn.Module, mode: str, layouts: Iterable[str]) -> tuple[dict, str] | None:
     """This machine's cached timings of another mode that timed every one of ``layouts`` (``mode``'s candidates),
     and the plan's source that says so; None where there are none. Each round of ``measure`` times every layout in
     turn, so the fast mode's passes over the fp32 layouts are timed as the exact mode's own would be (in fewer
     rounds: its budget, ``measure``'s ``budget_s``, is shared by more layouts), and its row-invariance check covers
-    them. The app prepares the fast mode first at its start (``app.preload``) and so measures the
-    layouts once: on a cold start here the exact mode's own measurement took 15 s (13 s of timings, 2 s of checks)."""
+    them (``every_mode_at_once``)."""
     for other in MODES:
         path = cache_path(model, other)
         if other == mode or not path.is_file():
