@@ -10,7 +10,6 @@ import os
 import pickle
 import re
 import socket
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -340,40 +339,6 @@ def test_the_model_cache_loads_each_model_once_and_keeps_the_default():
     models.get("a/one")
     models.get("b/two")  # evicts a/one, never the default
     assert models.loaded("") and models.loaded("b/two") and not models.loaded("a/one")
-
-
-def test_a_request_for_a_model_that_just_loaded_does_not_wait_for_the_next_load():
-    # the app's first start loads exact, then fast at once: a Run clicked during the exact load gets the exact model
-    # when that load ends, not after the fast one too (a plain lock let the loading thread take it again first)
-    import threading
-
-    exact_loading, fast_loading, release_fast = threading.Event(), threading.Event(), threading.Event()
-    loads = []
-
-    def slow_load(model_id, config):
-        loads.append(config.mode)
-        if config.mode == "exact":
-            exact_loading.set()
-            time.sleep(0.2)
-        else:
-            fast_loading.set()
-            release_fast.wait(10)
-        return SimpleNamespace(name=model_id, mode=config.mode)
-
-    models = ModelCache(load=slow_load)
-    starter = threading.Thread(target=lambda: (models.get(""), models.get("", "fast")))
-    starter.start()
-    exact_loading.wait(5)
-    got = []
-    user = threading.Thread(target=lambda: got.append(models.get("").mode))
-    user.start()
-    user.join(5)
-    waited_for_fast = user.is_alive()
-    release_fast.set()
-    starter.join(10)
-    user.join(5)
-    assert not waited_for_fast and got == ["exact"] and fast_loading.is_set()
-    assert loads == ["exact", "fast"]  # each loaded once
 
 
 def test_the_model_cache_keeps_one_copy_per_mode():

@@ -102,11 +102,7 @@ class ModelCache:
         self.keep, self._load, self.device = keep, load, device  # device: "auto" = CUDA where torch sees one
         self.backend = app_backend() if backend is None else backend  # None: the setting $TR_BACKEND
         self._engines: dict[tuple[str, str], Engine] = {}
-        # one load at a time; a request for a loaded model never waits: each finished load wakes every waiter, which
-        # looks for its own model before the next load starts (a plain lock let the loader take it again at once: at a
-        # first start, a Run clicked during the exact mode's load waited for the fast mode's too, 128 s in all)
-        self._changed = threading.Condition()
-        self._loading: tuple[str, str] | None = None
+        self._lock = threading.Lock()
         self._load_seconds: dict[tuple[str, str], float] = {}
 
     def get(self, model_id: str | None = "", mode: str = "exact") -> Engine:
@@ -114,28 +110,18 @@ class ModelCache:
         engine = self._engines.get(key)
         if engine is not None:
             return engine
-        with self._changed:
-            while key not in self._engines and self._loading is not None:
-                self._changed.wait()  # another load: when it ends, is this one's model there?
-            if key in self._engines:
-                return self._engines[key]
-            self._loading = key
-        try:
-            started = time.perf_counter()
-            name = key[0]
-            engine = (load_default_engine(self._load, mode, self.device, self.backend) if name == ""
-                      else self._load(name, EngineConfig(mode=mode, device=self.device, backend=self.backend)))
-            with self._changed:
+        with self._lock:
+            if key not in self._engines:
+                started = time.perf_counter()
+                name = key[0]
+                engine = (load_default_engine(self._load, mode, self.device, self.backend) if name == ""
+                          else self._load(name, EngineConfig(mode=mode, device=self.device, backend=self.backend)))
                 others = [k for k in self._engines if k[0] != ""]
                 if name != "" and len(others) >= self.keep - 1:
                     del self._engines[others[0]]
                 self._engines[key] = engine
                 self._load_seconds[key] = time.perf_counter() - started
-            return engine
-        finally:
-            with self._changed:
-                self._loading = None
-                self._changed.notify_all()
+            return self._engines[key]
 
     def default_mode(self) -> tuple[str, str]:
         """The page's default mode and why: measured in this process (``measure_modes``), else the choice an earlier
