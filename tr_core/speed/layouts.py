@@ -914,9 +914,10 @@ def every_mode_at_once():
     """Within it, the first mode whose layouts are timed on this machine times the widest mode's candidates (the fast
     mode's, which include the exact mode's fp32 layouts) in one measurement, cached as that mode's, and reads its own
     from it (``wider_cache``); the other mode then reads its cache. For a caller that prepares both modes, as the app
-    does at its start (``app.preload``): the exact mode's own measurement took 15 s on a cold start here (13 s of
-    timings, 2 s of row-invariance probes), the fast mode's 27 s, both at once 27 s. A caller of one mode (the
-    command line) times only that mode's candidates."""
+    does at its start (``app.preload``). On cold starts of the 2-vCPU Xeon with AMX: the exact mode's own measurement
+    15.0 s (13.1 s of timings, 1.9 s of row-invariance probes), the fast mode's 29.6 s (25.6 + 4.0); both at once
+    27.3 s (22.6 + 4.7; the timings stop on a budget, ``measure``'s ``budget_s``). A caller of one mode (the command
+    line) times only that mode's candidates."""
     global _EVERY_MODE
     before, _EVERY_MODE = _EVERY_MODE, True
     try:
