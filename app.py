@@ -15,6 +15,7 @@ import argparse
 import functools
 import inspect
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -733,9 +734,9 @@ def launch(demo: gr.Blocks, queue_max_size: int = QUEUE_MAX_SIZE, **kwargs):
     return demo.queue(default_concurrency_limit=4, max_size=queue_max_size).launch(
         share=False, css=CSS + APP_CSS + EXPLAIN_CSS, footer_links=["api"], **kwargs)
 
-def preload(models: ModelCache) -> None:
-    """Load the default model in both modes, so that a Run only decodes, and measure which mode is faster here. A
-    failure is reported here and again, to the user, at their first run."""
+def preload(models: ModelCache) -> bool:
+    """Load the default model in both modes, so that a Run only decodes, and measure which mode is faster here; False
+    where it did not load. A failure is reported here and again, to the user, at their first run."""
     try:
         # both modes' kernels timed in one measurement, at the first load (exact: the page's mode until measured)
         with every_mode_at_once():
@@ -743,8 +744,23 @@ def preload(models: ModelCache) -> None:
             models.get("", "fast")
         mode, why = models.measure_modes()  # the page's default mode: the one measured faster here
         print(f"default mode: {mode} ({why})", flush=True)
+        return True
     except ModelLoadError as e:
         print(f"the default model did not load: {e}", flush=True)
+        return False
+
+
+def prepare() -> int:
+    """``python app.py --prepare``: what a first start measures on this machine (the embedded model's kernels and
+    tree sizes in both modes, cached), with the machine to itself and nothing served; then what was chosen. For a
+    machine before a class or a Space's build step, so that the first start takes seconds; and for
+    ``scripts/test.sh --fast``, whose tests run side by side and must not be what measures this machine. Exit
+    status 1 where the model did not load."""
+    models = ModelCache()
+    if not preload(models):
+        return 1
+    print(models.describe("", "fast"), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -752,7 +768,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allow-local-models", action="store_true",
                         help="let the Model box load a folder on this machine (off: hub ids only; never on a "
                              "public server)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="measure this machine for the embedded model in both modes as a first start does "
+                             "(cached), say what was chosen, and exit without serving")
     args = parser.parse_args(argv)
+    if args.prepare:
+        sys.exit(prepare())
     limit_malloc_arenas()  # before gradio's threads start: less memory stranded between malloc arenas
     models = ModelCache()
     demo = build_app(models, allow_local_models=args.allow_local_models)

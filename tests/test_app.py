@@ -375,6 +375,37 @@ def test_the_apps_start_loads_both_modes_with_one_kernel_measurement(capsys):
     assert "default mode: fast (measured)" in capsys.readouterr().out
 
 
+def test_prepare_measures_what_a_first_start_does_and_serves_nothing(monkeypatch, capsys):
+    # `python app.py --prepare`: the start's loads and measurement (preload), what was chosen, exit status 0; 1 where
+    # the model did not load; no page is built or served either way
+    from tr_core.models import ModelLoadError
+
+    calls, fail = [], []
+
+    class Models:
+        def get(self, model_id="", mode="exact"):
+            calls.append(mode)
+            if fail:
+                raise ModelLoadError("no weights here")
+
+        def measure_modes(self):
+            return "fast", "measured"
+
+        def describe(self, model_id="", mode="exact"):
+            return f"the model, {mode} first: kernels chosen here"
+
+    monkeypatch.setattr(app, "ModelCache", Models)
+    monkeypatch.setattr(app, "build_app", lambda *a, **k: pytest.fail("--prepare builds no page"))
+    with pytest.raises(SystemExit) as done:
+        app.main(["--prepare"])
+    assert done.value.code == 0 and calls == ["exact", "fast"]
+    assert "the model, fast first: kernels chosen here" in capsys.readouterr().out
+    fail.append(True)
+    with pytest.raises(SystemExit) as done:
+        app.main(["--prepare"])
+    assert done.value.code == 1 and "the default model did not load: no weights here" in capsys.readouterr().out
+
+
 def test_a_session_keeps_its_matrix_across_runs_as_rows_over_a_shared_start(tiny_folder):
     _, model, tokenizer = tiny_folder
     small = Engine(model, tokenizer).with_config(tree="small")
