@@ -753,7 +753,7 @@ def preload(models: ModelCache) -> bool:
 def prepare() -> int:
     """``python app.py --prepare``: what a first start measures on this machine (the embedded model's kernels and
     tree sizes in both modes, cached), with nothing served, so that no run competes with the measurement; then what
-    was chosen. For a machine before a class or a Space's build step, so that the first start takes seconds; and for
+    was chosen. Before a class, or before serving on a new machine, so that the first start takes seconds; and for
     ``scripts/test.sh --fast``, whose tests run side by side and must not be what measures this machine. Exit
     status 1 where the model did not load."""
     models = ModelCache()
