@@ -40,12 +40,15 @@ workers=$(( cores > 4 ? 4 : cores ))
 bash scripts/setup.sh
 .venv/bin/ruff check --quiet .
 export HF_HUB_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False NO_PROXY=127.0.0.1,localhost
+copy=""  # the workers' copy of the cache while they run; removed however the script ends (Ctrl-C included)
+trap '[ -z "$copy" ] || rm -rf "$copy"' EXIT
 rest() {  # the tests that compare no timings, on the workers, over a copy of the cache
-  local copy rc=0
+  local rc=0
   copy=$(workers_cache)
   XDG_CACHE_HOME="$copy" OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -q tests -n "$workers" --dist worksteal \
     -m "$(narrowed "$1")" ${args[@]+"${args[@]}"} || rc=$?
   rm -rf "$copy"
+  copy=""
   return "$rc"
 }
 workers_cache() {  # a folder to serve the workers as XDG_CACHE_HOME: they read what was measured with the machine
